@@ -1,0 +1,97 @@
+"""The ``Env`` protocol every domain speaks, and the domain registry.
+
+A *domain* (ScienceWorld, ALFWorld, WebShop, ...) knows its task types and splits and makes
+environments; an *environment* runs one episode at a time::
+
+    domain = get_domain("scienceworld", env_cfg)
+    tasks = domain.tasks("test", task_type="find-living-thing", limit=5)
+    env = domain.make_env()
+    goal, obs = env.reset(tasks[0])
+    step = env.step("look around")      # StepResult(observation, reward, done, score 0-100)
+    env.expert_actions()                # gold actions for the loaded task
+
+Register a new domain with ``@register_domain("name")`` on a ``Domain`` subclass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from hamo_ray.config import ConfigError, EnvConfig
+from hamo_ray.types import TaskSpec
+
+
+@dataclass(frozen=True)
+class StepResult:
+    observation: str
+    reward: float  # score change caused by this step
+    done: bool
+    score: float  # task score so far, on 0-100
+
+
+@runtime_checkable
+class Env(Protocol):
+    def reset(self, task: TaskSpec) -> tuple[str, str]:
+        """Load ``task`` and return (goal, initial observation)."""
+
+    def step(self, action: str) -> StepResult:
+        """Apply ``action``; a malformed action gets the environment's own invalid-action answer."""
+
+    def expert_actions(self) -> list[str]:
+        """The gold action sequence of the loaded task."""
+
+    def valid_actions(self) -> list[str] | None:
+        """Valid actions now, where the domain can list them (may be slow)."""
+
+    def close(self) -> None:
+        """Release the environment's process/resources."""
+
+
+class Domain:
+    """A family of tasks with splits; subclasses make the environments."""
+
+    name: str = ""
+
+    def __init__(self, cfg: EnvConfig) -> None:
+        self.cfg = cfg
+
+    def task_types(self) -> list[str]:
+        raise NotImplementedError
+
+    def tasks(self, split: str, task_type: str, limit: int | None = None) -> list[TaskSpec]:
+        """Tasks of one type from one split, in the split's canonical order."""
+        raise NotImplementedError
+
+    def make_env(self) -> Env:
+        raise NotImplementedError
+
+    def check_task_types(self, task_types: list[str]) -> None:
+        known = self.task_types()
+        unknown = [t for t in task_types if t not in known]
+        if unknown:
+            raise ConfigError(
+                f"env.task_types: unknown {self.name} task(s) {unknown}; known: {', '.join(sorted(known))}"
+            )
+
+
+_DOMAINS: dict[str, type[Domain]] = {}
+
+
+def register_domain(name: str) -> Callable[[type[Domain]], type[Domain]]:
+    def deco(cls: type[Domain]) -> type[Domain]:
+        cls.name = name
+        _DOMAINS[name] = cls
+        return cls
+
+    return deco
+
+
+def get_domain(name: str, cfg: EnvConfig) -> Domain:
+    """Instantiate a registered domain; importing its module registers it."""
+    from hamo_ray import envs  # noqa: F401  (registers the built-in domains)
+
+    if name not in _DOMAINS:
+        raise ConfigError(f"env.domain: unknown domain {name!r}; known: {', '.join(sorted(_DOMAINS))}")
+    return _DOMAINS[name](cfg)

@@ -1,0 +1,1 @@
+"""Training: the embedded backbone, experience-conditioned BC examples and the Ray Train LoRA trainer."""

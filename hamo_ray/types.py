@@ -1,0 +1,114 @@
+"""Data contracts between the stages of a HaMo stream.
+
+Every arrow of the stage data flow (collect -> distil -> select -> replay -> train -> publish ->
+evaluate -> commit) carries one of these types, never an untyped dict. They are plain, frozen
+pydantic models: cheap to pickle through Ray, easy to write as JSON lines, and validated on the way in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TaskSpec(_Frozen):
+    """One episode to run: a task of a domain, one of its variations, from one split."""
+
+    domain: str
+    task: str
+    variation: int
+    split: str = "train"
+
+    @property
+    def id(self) -> str:
+        return f"{self.domain}/{self.task}/{self.split}/{self.variation}"
+
+
+class Trajectory(_Frozen):
+    """One episode: goal, initial observation, the (action, observation) turns and the final score.
+
+    ``observations[k]`` is what the environment answered to ``actions[k]``. ``score`` is on 0-100.
+    ``error`` is set (and ``score`` is 0) when the episode could not be run to the end.
+    """
+
+    task: TaskSpec
+    goal: str
+    init_obs: str
+    actions: list[str] = Field(default_factory=list)
+    observations: list[str] = Field(default_factory=list)
+    score: float = 0.0
+    done: bool = False
+    source: str = "policy"  # "expert" (gold actions) or "policy" (the served model)
+    model: str | None = None  # the served model name that acted, for policy episodes
+    cards_used: list[str] = Field(default_factory=list)  # ids of the injected experience cards
+    error: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Trajectory:
+        if len(self.actions) != len(self.observations):
+            raise ValueError(
+                f"trajectory {self.task.id}: {len(self.actions)} actions but {len(self.observations)} observations"
+            )
+        if not 0.0 <= self.score <= 100.0:
+            raise ValueError(f"trajectory {self.task.id}: score {self.score} outside 0-100")
+        return self
+
+    @property
+    def id(self) -> str:
+        """Stable id: the task and the source (one expert trajectory per task variation)."""
+        return f"{self.task.id}/{self.source}"
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.actions)
+
+
+def card_id(trajectory_id: str) -> str:
+    """Card ids derive from the trajectory, so a re-run never creates a second card for it."""
+    return hashlib.sha1(trajectory_id.encode()).hexdigest()[:16]
+
+
+class Card(_Frozen):
+    """An experience card ``(goal, initial observation, outline)`` distilled from one trajectory.
+
+    This is the row schema of the LanceDB ``cards`` table (plus the embedding ``vector``, whose
+    width depends on the embedding model and is added by ``hamo_ray.memory.store``).
+    """
+
+    id: str
+    trajectory_id: str
+    domain: str
+    task: str
+    variation: int
+    stage: int
+    goal: str
+    init_obs: str
+    outline: str
+    score: float
+
+    @property
+    def key_text(self) -> str:
+        """The text that is embedded and matched at retrieval time: (goal, initial observation)."""
+        return f"{self.goal}\n{self.init_obs}"
+
+
+class StageResult(_Frozen):
+    """What one committed stage produced; ``state.json`` holds one per finished stage."""
+
+    stage: int
+    method: str
+    num_trajectories: int
+    num_cards: int
+    budget: int
+    anchors: list[str]  # trajectory ids chosen by coverage selection (or all, without selection)
+    replay: list[str]  # trajectory ids replayed from earlier stages
+    adapter: str | None  # adapter folder, relative to the run folder; None when the method does not train
+    adapter_name: str | None  # the name the serving endpoint knows it by
+    train_loss: float | None
+    scores: dict[str, float]  # domain -> mean score (0-100) on its test set
+    seconds: dict[str, float]  # phase -> wall seconds
