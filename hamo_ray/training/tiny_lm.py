@@ -91,13 +91,20 @@ def save_backbone(model, tokenizer, path: str | Path) -> Path:
     return path
 
 
-def make_random_backbone(path: str | Path, texts: Iterable[str] | None = None, cfg: BackboneConfig | None = None) -> Path:
+def make_random_backbone(
+    path: str | Path, texts: Iterable[str] | None = None, cfg: BackboneConfig | None = None
+) -> Path:
     """A small untrained backbone for tests of loading/serving code (weights random, tokenizer real)."""
     cfg = cfg or BackboneConfig(vocab_size=512)
-    corpus = list(texts) if texts is not None else [
-        "Your task is to focus on the animal. This room is called the kitchen. You see a table.",
-        "open door to hallway. go to hallway. look around. pick up thermometer. focus on orange.",
-    ] * 50
+    corpus = (
+        list(texts)
+        if texts is not None
+        else [
+            "Your task is to focus on the animal. This room is called the kitchen. You see a table.",
+            "open door to hallway. go to hallway. look around. pick up thermometer. focus on orange.",
+        ]
+        * 50
+    )
     tok = train_tokenizer(corpus, cfg.vocab_size)
     model = init_qwen3(cfg, tok)
     return save_backbone(model, tok, path)
