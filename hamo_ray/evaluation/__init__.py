@@ -1,0 +1,1 @@
+"""Evaluation: continual-learning metrics over the stage x domain score matrix."""

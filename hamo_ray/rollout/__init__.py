@@ -1,0 +1,1 @@
+"""Rollouts: Ray actors hosting environments, and the pool the stream drives."""

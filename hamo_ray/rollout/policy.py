@@ -1,0 +1,63 @@
+"""Clients that rollout actors use: the policy endpoint and the harness (experience retrieval).
+
+Both speak HTTP to the Ray Serve app, so an actor on any node of the cluster reaches them, and a
+request from many concurrent episodes arrives batched at the vLLM engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hamo_ray.types import Card
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """How rollout actors act: which endpoint, which served model, which sampling, which harness."""
+
+    base_url: str  # the policy endpoint, e.g. http://127.0.0.1:8000
+    model: str  # served model name: the base or a stage adapter
+    temperature: float = 0.7
+    max_tokens: int = 32
+    harness_url: str | None = None  # experience retrieval; None: no injected experience
+    top_k: int = 2
+    timeout_s: float = 120.0
+    seed: int | None = None
+
+
+class PolicyClient:
+    """Async OpenAI-compatible chat client for one ``PolicySpec`` (one per actor, connection-pooled)."""
+
+    def __init__(self, spec: PolicySpec) -> None:
+        import httpx
+
+        self.spec = spec
+        self._http = httpx.AsyncClient(timeout=spec.timeout_s, limits=httpx.Limits(max_connections=256))
+
+    async def act(self, messages: list[dict[str, str]], seed: int | None = None) -> str:
+        """The model's reply to ``messages`` (the raw text; the caller cleans it into an action)."""
+        body = {
+            "model": self.spec.model,
+            "messages": messages,
+            "temperature": self.spec.temperature,
+            "max_tokens": self.spec.max_tokens,
+        }
+        if seed is not None:
+            body["seed"] = seed
+        resp = await self._http.post(f"{self.spec.base_url}/v1/chat/completions", json=body)
+        if resp.status_code != 200:
+            raise RuntimeError(f"policy endpoint answered {resp.status_code}: {resp.text[:300]}")
+        return resp.json()["choices"][0]["message"]["content"] or ""
+
+    async def retrieve(self, goal: str, init_obs: str) -> list[Card]:
+        """Top-k experience cards for (goal, initial observation) from the harness."""
+        if not self.spec.harness_url:
+            return []
+        body = {"goal": goal, "init_obs": init_obs, "k": self.spec.top_k}
+        resp = await self._http.post(f"{self.spec.harness_url}/retrieve", json=body)
+        if resp.status_code != 200:
+            raise RuntimeError(f"harness answered {resp.status_code}: {resp.text[:300]}")
+        return [Card.model_validate(c) for c in resp.json()["cards"]]
+
+    async def aclose(self) -> None:
+        await self._http.aclose()

@@ -1,0 +1,82 @@
+"""``EnvPool``: many ``EnvWorker`` actors, each running several episodes at once.
+
+Driver-side usage (the stream is the only caller)::
+
+    pool = EnvPool("scienceworld", cfg.env, cfg.prompt, cfg.rollout)
+    expert = pool.run(tasks)                       # gold actions
+    evals = pool.run(tasks, PolicySpec(url, "stage-1", harness_url=...))
+    pool.shutdown()
+
+Every task asked for gets exactly one trajectory, in the order asked (a failed episode carries its
+``error``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from hamo_ray.config import EnvConfig, PromptConfig, RolloutConfig
+from hamo_ray.rollout.policy import PolicySpec
+from hamo_ray.types import TaskSpec, Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+class EnvPool:
+    def __init__(
+        self, domain: str, env_cfg: EnvConfig, prompt_cfg: PromptConfig, rollout_cfg: RolloutConfig
+    ) -> None:
+        import ray
+
+        from hamo_ray.rollout.worker import EnvWorker
+
+        self.domain = domain
+        self.cfg = rollout_cfg
+        actor_cls = ray.remote(EnvWorker).options(num_cpus=rollout_cfg.cpus_per_worker, max_restarts=1)
+        self.workers = [
+            actor_cls.remote(domain, env_cfg, prompt_cfg, rollout_cfg.envs_per_worker)
+            for _ in range(rollout_cfg.num_workers)
+        ]
+
+    def submit(self, tasks: list[TaskSpec], policy: PolicySpec | None = None, chunk: int | None = None):
+        """Start the episodes; returns ``(object refs, task index lists)`` (one ref per chunk of tasks)."""
+        chunk = chunk or self.cfg.envs_per_worker
+        refs, index_lists = [], []
+        for n, start in enumerate(range(0, len(tasks), chunk)):
+            idx = list(range(start, min(start + chunk, len(tasks))))
+            worker = self.workers[n % len(self.workers)]
+            refs.append(worker.run.remote([tasks[i] for i in idx], policy))
+            index_lists.append(idx)
+        return refs, index_lists
+
+    def run(
+        self, tasks: list[TaskSpec], policy: PolicySpec | None = None, desc: str = "episodes"
+    ) -> list[Trajectory]:
+        """Run one episode per task and return the trajectories in task order, logging progress."""
+        import ray
+
+        start = time.time()
+        refs, index_lists = self.submit(tasks, policy)
+        where = {ref: idx for ref, idx in zip(refs, index_lists, strict=True)}
+        results: list[Trajectory | None] = [None] * len(tasks)
+        pending, done_n = list(refs), 0
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            for ref in ready:
+                for i, traj in zip(where[ref], ray.get(ref), strict=True):
+                    results[i] = traj
+                    done_n += 1
+            logger.info("%s: %d/%d done (%.0fs)", desc, done_n, len(tasks), time.time() - start)
+        return [r for r in results if r is not None]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.workers:
+            try:
+                ray.get(w.close.remote(), timeout=30)
+            except Exception:
+                logger.debug("worker close failed", exc_info=True)
+            ray.kill(w)
+        self.workers = []

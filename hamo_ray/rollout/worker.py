@@ -1,0 +1,147 @@
+"""``EnvWorker``: a Ray actor hosting several environments and running their episodes concurrently.
+
+Environment steps block (ScienceWorld talks to its JVM over py4j), so each runs in a worker thread
+while the actor's asyncio loop keeps the other episodes and their policy requests moving. An
+environment that raises is closed and replaced, and its episode retried from the start up to
+``max_attempts``; after that the episode is recorded as failed with the error, never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+from hamo_ray.config import EnvConfig, PromptConfig
+from hamo_ray.prompting import build_messages, clean_action
+from hamo_ray.rollout.policy import PolicyClient, PolicySpec
+from hamo_ray.types import TaskSpec, Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+def _turn_seed(seed: int | None, task: TaskSpec, turn: int) -> int | None:
+    if seed is None:
+        return None
+    return zlib.crc32(f"{seed}/{task.id}/{turn}".encode()) & 0x7FFFFFFF
+
+
+class EnvWorker:
+    """Hosts ``n_envs`` environments of one domain; ``run`` plays a list of episodes on them."""
+
+    def __init__(self, domain: str, env_cfg: EnvConfig, prompt_cfg: PromptConfig, n_envs: int) -> None:
+        from hamo_ray.envs import get_domain
+        from hamo_ray.logs import setup_logging
+
+        setup_logging()
+        self.domain = get_domain(domain, env_cfg)
+        self.env_cfg = env_cfg
+        self.prompt_cfg = prompt_cfg
+        self.n_envs = n_envs
+        self._free: list = []  # idle environments, created on demand
+        self._made = 0
+        self._executor = ThreadPoolExecutor(max_workers=n_envs + 2, thread_name_prefix="env")
+        self._slots = asyncio.Semaphore(n_envs)
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _take_env(self):
+        if self._free:
+            return self._free.pop()
+        self._made += 1
+        return await self._call(self.domain.make_env)
+
+    async def _drop_env(self, env) -> None:
+        try:
+            await self._call(env.close)
+        except Exception:  # the environment is already broken; its process may be gone
+            logger.debug("closing a broken environment failed", exc_info=True)
+
+    async def run(
+        self, tasks: list[TaskSpec], policy: PolicySpec | None, max_attempts: int = 2
+    ) -> list[Trajectory]:
+        """Play one episode per task (expert actions when ``policy`` is None); results in task order."""
+        client = PolicyClient(policy) if policy is not None else None
+        try:
+            return list(await asyncio.gather(*(self._episode(t, client, max_attempts) for t in tasks)))
+        finally:
+            if client is not None:
+                await client.aclose()
+
+    async def _episode(self, task: TaskSpec, client: PolicyClient | None, max_attempts: int) -> Trajectory:
+        error = "not run"
+        async with self._slots:
+            for attempt in range(1, max_attempts + 1):
+                env = await self._take_env()
+                try:
+                    traj = await self._play(env, task, client)
+                except Exception as exc:  # noqa: BLE001 - any failure is recorded, never dropped
+                    error = f"{type(exc).__name__}: {exc}"
+                    logger.warning(
+                        "episode %s attempt %d/%d failed: %s", task.id, attempt, max_attempts, error
+                    )
+                    await self._drop_env(env)
+                    continue
+                self._free.append(env)
+                return traj
+        return Trajectory(
+            task=task, goal="", init_obs="", source="policy" if client else "expert", error=error
+        )
+
+    async def _play(self, env, task: TaskSpec, client: PolicyClient | None) -> Trajectory:
+        goal, init_obs = await self._call(env.reset, task)
+        actions: list[str] = []
+        observations: list[str] = []
+        score, done = 0.0, False
+        if client is None:
+            plan = await self._call(env.expert_actions)
+            for action in plan[: self.env_cfg.max_turns * 4]:
+                step = await self._call(env.step, action)
+                actions.append(action)
+                observations.append(step.observation)
+                score, done = step.score, step.done
+                if done:
+                    break
+            return Trajectory(
+                task=task,
+                goal=goal,
+                init_obs=init_obs,
+                actions=actions,
+                observations=observations,
+                score=score,
+                done=done,
+                source="expert",
+            )
+        cards = await client.retrieve(goal, init_obs)
+        for turn in range(self.env_cfg.max_turns):
+            messages = build_messages(goal, init_obs, cards, actions, observations, self.prompt_cfg)
+            reply = await client.act(messages, seed=_turn_seed(client.spec.seed, task, turn))
+            action = clean_action(reply)
+            step = await self._call(env.step, action)
+            actions.append(action)
+            observations.append(step.observation)
+            score, done = step.score, step.done
+            if done:
+                break
+        return Trajectory(
+            task=task,
+            goal=goal,
+            init_obs=init_obs,
+            actions=actions,
+            observations=observations,
+            score=score,
+            done=done,
+            source="policy",
+            model=client.spec.model,
+            cards_used=[c.id for c in cards],
+        )
+
+    def close(self) -> None:
+        for env in self._free:
+            try:
+                env.close()
+            except Exception:
+                logger.debug("close failed", exc_info=True)
+        self._free.clear()

@@ -1,0 +1,156 @@
+"""The run folder: what a stream leaves behind, written so that a killed run resumes cleanly.
+
+Layout (``runs/<run_id>/``)::
+
+    config.yaml             the resolved config
+    state.json              committed stages (one StageResult each), written atomically
+    memory/                 LanceDB (the ``cards`` table)
+    trajectories/stage-t.jsonl   the stage's expert trajectories
+    episodes/stage-t-<domain>.jsonl  evaluation episodes
+    adapters/stage-t/       peft adapters (loadable by vLLM and peft)
+    train/                  Ray Train storage
+    results/scores.csv      one row per stage x domain
+    results/metrics.json    averages, final scores, forgetting
+
+A stage counts only once ``state.json`` lists it; a half-written stage is redone on resume.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import yaml
+
+from hamo_ray.config import ConfigError, HamoConfig
+from hamo_ray.evaluation.metrics import summarize
+from hamo_ray.types import StageResult, Trajectory
+
+logger = logging.getLogger(__name__)
+
+# Keys that may differ between the run that started a folder and the one resuming it.
+_RESUMABLE_KEYS = {"run", "ray", "serve", "rollout"}
+
+
+def atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_jsonl(path: Path, items: list[Trajectory]) -> None:
+    atomic_write(path, "".join(t.model_dump_json() + "\n" for t in items))
+
+
+class RunFolder:
+    def __init__(self, path: Path, cfg: HamoConfig) -> None:
+        self.path = Path(path).resolve()
+        self.cfg = cfg
+        self.timings: dict[str, float] = {}
+
+    @property
+    def state_file(self) -> Path:
+        return self.path / "state.json"
+
+    @property
+    def adapters_dir(self) -> Path:
+        return self.path / "adapters"
+
+    @property
+    def memory_uri(self) -> str:
+        return self.cfg.memory.uri or str(self.path / "memory")
+
+    def stages(self) -> list[StageResult]:
+        if not self.state_file.exists():
+            return []
+        data = json.loads(self.state_file.read_text())
+        return [StageResult.model_validate(s) for s in data["stages"]]
+
+    def prepare(self) -> list[StageResult]:
+        """Create the folder, or check an existing one and return its committed stages.
+
+        Raises:
+            ConfigError: the folder holds finished stages and neither resume nor overwrite is set,
+                or it was started with a config that differs in keys that change results.
+        """
+        done = self.stages()
+        if self.path.exists() and self.cfg.run.overwrite:
+            logger.warning("run.overwrite=true: deleting %s", self.path)
+            shutil.rmtree(self.path)
+            done = []
+        elif done and not self.cfg.run.resume:
+            raise ConfigError(
+                f"run folder {self.path} already holds {len(done)} finished stage(s); "
+                "pass run.resume=true to continue it, run.overwrite=true to start over, or another run.id"
+            )
+        elif done:
+            self._check_same_config()
+            logger.info("resuming %s after stage %d", self.path, len(done))
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.adapters_dir.mkdir(exist_ok=True)
+        if not done:
+            atomic_write(self.path / "config.yaml", self.cfg.to_yaml())
+        return done
+
+    def _check_same_config(self) -> None:
+        saved_file = self.path / "config.yaml"
+        if not saved_file.exists():
+            return
+        saved = yaml.safe_load(saved_file.read_text())
+        now = self.cfg.model_dump(mode="json")
+        diffs = [
+            f"{section}.{key}"
+            for section, values in now.items()
+            if section not in _RESUMABLE_KEYS
+            for key, value in values.items()
+            if saved.get(section, {}).get(key) != value
+        ]
+        if diffs:
+            raise ConfigError(
+                f"run folder {self.path} was started with a different config ({', '.join(diffs)}); "
+                "use another run.id or run.overwrite=true"
+            )
+
+    def store(self, cfg: HamoConfig):
+        from hamo_ray.memory.store import MemoryStore
+
+        return MemoryStore(self.memory_uri, cfg.memory.table)
+
+    def save_trajectories(self, stage: int, trajs: list[Trajectory]) -> None:
+        _write_jsonl(self.path / "trajectories" / f"stage-{stage}.jsonl", trajs)
+
+    def load_trajectories(self, stage: int) -> list[Trajectory] | None:
+        f = self.path / "trajectories" / f"stage-{stage}.jsonl"
+        if not f.exists():
+            return None
+        return [Trajectory.model_validate_json(line) for line in f.read_text().splitlines() if line.strip()]
+
+    def save_episodes(self, stage: int, domain: str, trajs: list[Trajectory]) -> None:
+        _write_jsonl(self.path / "episodes" / f"stage-{stage}-{domain}.jsonl", trajs)
+
+    def commit(self, result: StageResult) -> None:
+        """Record a finished stage: state.json first (atomically), then the results it implies."""
+        stages = [s for s in self.stages() if s.stage != result.stage] + [result]
+        stages.sort(key=lambda s: s.stage)
+        state = {"stages": [s.model_dump(mode="json") for s in stages], "timings": self.timings}
+        atomic_write(self.state_file, json.dumps(state, indent=1))
+        self.write_results(stages)
+
+    def write_results(self, stages: list[StageResult]) -> None:
+        buf = io.StringIO()
+        writer = csv.writer(buf)
+        writer.writerow(["stage", "domain", "method", "score"])
+        for s in stages:
+            for domain, score in sorted(s.scores.items()):
+                writer.writerow([s.stage, domain, s.method, f"{score:.4f}"])
+        atomic_write(self.path / "results" / "scores.csv", buf.getvalue())
+        metrics = summarize([s.scores for s in stages])
+        metrics["method"] = self.cfg.method.name
+        metrics["budgets"] = [s.budget for s in stages]
+        atomic_write(self.path / "results" / "metrics.json", json.dumps(metrics, indent=1))

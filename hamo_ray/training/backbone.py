@@ -1,0 +1,173 @@
+"""The embedded default backbone: built once from held-out expert data, then cached.
+
+Model weights cannot be downloaded on our machines, so with ``model.path=embedded`` the project
+builds its own backbone: expert trajectories of the *pre-training split* (``backbone.split``,
+ScienceWorld's dev variations: no stage and no test set uses them) are rolled out, a byte-level
+BPE tokenizer is trained on their prompts, and a tiny Qwen3-architecture LM is trained on them by
+behavioural cloning in the shared prompt format, a fraction of the examples carrying injected
+experience (so that the base model has seen the format HaMo uses). The result is a plain Hugging
+Face folder under ``backbone.cache_dir/<key>``; the key hashes every setting it depends on, so a
+second run reuses it and a changed setting rebuilds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hamo_ray.config import HamoConfig
+from hamo_ray.prompting import build_messages, first_user_message
+from hamo_ray.types import Card, Trajectory
+
+logger = logging.getLogger(__name__)
+
+BUILD_VERSION = 1  # bump when the build procedure changes
+
+
+def backbone_key(cfg: HamoConfig) -> str:
+    payload = {
+        "v": BUILD_VERSION,
+        "backbone": cfg.backbone.model_dump(mode="json", exclude={"cache_dir"}),
+        "domain": cfg.env.domain,
+        "task_types": sorted(cfg.env.task_types),
+        "simplifications": cfg.env.simplifications,
+        "prompt": cfg.prompt.model_dump(mode="json"),
+        "top_k": cfg.memory.top_k,
+        "embedding_model": cfg.memory.embedding_model,
+        "max_seq_len": cfg.train.max_seq_len,
+        "seed": 0,
+    }
+    return hashlib.sha1(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def backbone_path(cfg: HamoConfig) -> Path:
+    return Path(cfg.backbone.cache_dir).expanduser() / f"{cfg.env.domain}-{backbone_key(cfg)}"
+
+
+def _embed_keys(texts: list[str], model_name: str) -> np.ndarray:
+    from hamo_ray.memory.embed import Embedder
+
+    return Embedder(model_name).embed(texts)
+
+
+def pretraining_experience(trajs: list[Trajectory], vectors: np.ndarray, k: int, fraction: float, seed: int):
+    """Injected cards for a ``fraction`` of the trajectories: the top-k *other* cards by cosine."""
+    from hamo_ray.memory.distill import card_from_trajectory, get_distiller
+
+    outlines = get_distiller("outline").distill(trajs)
+    cards = [card_from_trajectory(t, -1, o) for t, o in zip(trajs, outlines, strict=True)]
+    sims = vectors @ vectors.T
+    np.fill_diagonal(sims, -np.inf)
+    rng = random.Random(seed)
+    experience: dict[str, list[Card]] = {}
+    for i, traj in enumerate(trajs):
+        if rng.random() < fraction:
+            experience[traj.id] = [cards[j] for j in np.argsort(-sims[i])[:k]]
+    return experience
+
+
+def _corpus(trajs: list[Trajectory], experience: dict[str, list[Card]], cfg: HamoConfig) -> list[str]:
+    texts = []
+    for t in trajs:
+        texts.append(first_user_message(t.goal, t.init_obs, experience.get(t.id, []), cfg.prompt))
+        texts.extend(t.actions)
+        texts.extend(t.observations)
+    return texts
+
+
+def ensure_backbone(cfg: HamoConfig, pool, storage_path: Path) -> Path:
+    """Return the cached embedded backbone for ``cfg``, building it first if needed.
+
+    Args:
+        cfg: the run's config (backbone, env, prompt and memory settings).
+        pool: an ``EnvPool`` of the config's domain, used to roll out the expert trajectories.
+        storage_path: Ray Train's storage for the build's checkpoints.
+
+    Returns:
+        The backbone's Hugging Face folder.
+    """
+    import ray
+    from transformers import AutoTokenizer
+
+    from hamo_ray.envs import get_domain
+    from hamo_ray.training.examples import build_examples
+    from hamo_ray.training.tiny_lm import init_qwen3, save_backbone, train_tokenizer
+    from hamo_ray.training.trainer import train_model
+
+    path = backbone_path(cfg)
+    if (path / "BUILD_DONE").exists():
+        logger.info("backbone: reusing cached %s", path)
+        return path
+    start = time.time()
+    bcfg = cfg.backbone
+    domain = get_domain(cfg.env.domain, cfg.env)
+    tasks = [t for tt in cfg.env.task_types for t in domain.tasks(bcfg.split, tt, limit=bcfg.per_task)]
+    logger.info(
+        "backbone: building %s from %d expert episodes of split %r", path.name, len(tasks), bcfg.split
+    )
+    trajs = [
+        t for t in pool.run(tasks, None, desc="backbone expert episodes") if t.error is None and t.actions
+    ]
+    if not trajs:
+        raise RuntimeError("backbone: no expert trajectory could be collected")
+    keys = [f"{t.goal}\n{t.init_obs}" for t in trajs]
+    vectors = ray.get(ray.remote(_embed_keys).options(num_cpus=1).remote(keys, cfg.memory.embedding_model))
+    experience = pretraining_experience(trajs, vectors, cfg.memory.top_k, bcfg.experience_fraction, seed=0)
+
+    staging = path.with_name(path.name + ".building")
+    shutil.rmtree(staging, ignore_errors=True)
+    tokenizer = train_tokenizer(_corpus(trajs, experience, cfg), bcfg.vocab_size)
+    model = init_qwen3(
+        bcfg, tokenizer, max_position_embeddings=max(cfg.model.max_model_len, cfg.train.max_seq_len)
+    )
+    init_dir = save_backbone(model, tokenizer, staging / "init")
+    tokenizer = AutoTokenizer.from_pretrained(init_dir)
+    examples = build_examples(trajs, experience, tokenizer, cfg.prompt, cfg.train.max_seq_len)
+    n_tokens = sum(len(e.input_ids) for e in examples)
+    logger.info(
+        "backbone: %s params, %d examples, %d tokens/epoch, %d epochs",
+        f"{sum(p.numel() for p in model.parameters()):,}",
+        len(examples),
+        n_tokens,
+        bcfg.epochs,
+    )
+    result = train_model(
+        str(init_dir),
+        examples,
+        staging / "model",
+        cfg.train,
+        storage_path,
+        pad_id=tokenizer.pad_token_id,
+        lora=False,
+        epochs=bcfg.epochs,
+        lr=bcfg.lr,
+        batch_size=bcfg.batch_size,
+        name="backbone",
+    )
+    tokenizer.save_pretrained(staging / "model")
+    (staging / "model" / "build.json").write_text(
+        json.dumps(
+            {
+                "key": backbone_key(cfg),
+                "trajectories": len(trajs),
+                "examples": len(examples),
+                "losses": result.losses,
+                "seconds": time.time() - start,
+                "example_messages": build_messages(trajs[0].goal, trajs[0].init_obs, [], [], [], cfg.prompt),
+            },
+            indent=1,
+        )
+    )
+    shutil.rmtree(path, ignore_errors=True)
+    (staging / "model").rename(path)
+    shutil.rmtree(staging, ignore_errors=True)
+    (path / "BUILD_DONE").write_text(time.strftime("%Y-%m-%dT%H:%M:%S"))
+    logger.info("backbone: built in %.0fs (final loss %.3f) at %s", time.time() - start, result.loss, path)
+    return path
