@@ -57,7 +57,7 @@ class Stream:
         self.domain.check_task_types(cfg.env.task_types)
         check_model_path(cfg.model.path)
         run_id = cfg.run.id or f"{config_name}-{cfg.method.name}-s{cfg.run.seed}"
-        self.run = RunFolder(Path(cfg.run.root) / run_id, cfg)
+        self.folder = RunFolder(Path(cfg.run.root) / run_id, cfg)
         p = cfg.protocol
         self.stage_tasks = split_stages(
             {tt: self.domain.tasks("train", tt, limit=p.train_per_task) for tt in cfg.env.task_types},
@@ -72,9 +72,9 @@ class Stream:
     # -- the whole run -------------------------------------------------------------------------
     def run(self) -> list[StageResult]:
         cfg = self.cfg
-        done = self.run.prepare()
+        done = self.folder.prepare()
         if len(done) >= cfg.protocol.num_stages:
-            logger.info("run %s already holds all %d stages; nothing to do", self.run.path, len(done))
+            logger.info("run %s already holds all %d stages; nothing to do", self.folder.path, len(done))
             return done
         self._start_ray()
         from hamo_ray.rollout.pool import EnvPool
@@ -86,7 +86,7 @@ class Stream:
             for stage in range(len(done) + 1, cfg.protocol.num_stages + 1):
                 result = self._stage(stage, done, pool, model_path, base_url, harness_url)
                 done.append(result)
-                self.run.commit(result)
+                self.folder.commit(result)
                 logger.info("stage %d committed: scores %s", stage, result.scores)
         finally:
             pool.shutdown()
@@ -113,8 +113,8 @@ class Stream:
         from hamo_ray.training.backbone import ensure_backbone
 
         t0 = time.time()
-        path = ensure_backbone(self.cfg, pool, self.run.path / "train")
-        self.run.timings["backbone"] = time.time() - t0
+        path = ensure_backbone(self.cfg, pool, self.folder.path / "train")
+        self.folder.timings["backbone"] = time.time() - t0
         return str(path)
 
     def _start_serving(self, model_path: str) -> tuple[str, str | None]:
@@ -125,24 +125,28 @@ class Stream:
 
         cfg = self.cfg
         base_url = start_policy_server(
-            model_path, cfg.model, cfg.serve, adapter_root=str(self.run.adapters_dir)
+            model_path, cfg.model, cfg.serve, adapter_root=str(self.folder.adapters_dir)
         )
         harness_url = None
         if cfg.method.uses_memory:
-            app = build_harness_app(self.run.memory_uri, cfg.memory.table, cfg.memory.embedding_model)
+            app = build_harness_app(self.folder.memory_uri, cfg.memory.table, cfg.memory.embedding_model)
             serve.run(app, name=f"{cfg.serve.app_name}-harness", route_prefix="/harness")
             harness_url = f"{base_url}/harness"
         # Adapters of committed stages (a resumed run) are published again under their names.
-        for result in self.run.stages():
+        for result in self.folder.stages():
             if result.adapter:
-                self._publish(base_url, result.adapter_name, self.run.path / result.adapter)
+                self._publish(base_url, result.adapter_name, self.folder.path / result.adapter)
         return base_url, harness_url
 
     def _stop_serving(self) -> None:
+        from ray import serve
+
         from hamo_ray.serving import shutdown_policy_server
 
         try:
-            shutdown_policy_server()
+            if self.cfg.method.uses_memory:
+                serve.delete(f"{self.cfg.serve.app_name}-harness")
+            shutdown_policy_server(self.cfg.serve)
         except Exception:
             logger.debug("serve shutdown failed", exc_info=True)
 
@@ -172,7 +176,7 @@ class Stream:
         secs["collect"] = time.time() - tick
 
         tick = time.time()
-        store = self.run.store(cfg) if m.uses_memory else None
+        store = self.folder.store(cfg) if m.uses_memory else None
         if store is not None:
             from hamo_ray.memory.pipeline import build_cards_dataset, write_cards
 
@@ -189,12 +193,12 @@ class Stream:
         loss = None
         if m.train:
             tick = time.time()
-            prev = self.run.path / done[-1].adapter if done and done[-1].adapter else None
+            prev = self.folder.path / done[-1].adapter if done and done[-1].adapter else None
             adapter, loss = self._train(stage, anchors + replay, store, model_path, prev)
             secs["train"] = time.time() - tick
             tick = time.time()
             adapter_name = f"stage-{stage}"
-            self._publish(base_url, adapter_name, self.run.path / adapter)
+            self._publish(base_url, adapter_name, self.folder.path / adapter)
             secs["publish"] = time.time() - tick
 
         tick = time.time()
@@ -222,7 +226,7 @@ class Stream:
         )
 
     def _collect(self, stage: int, pool) -> list[Trajectory]:
-        cached = self.run.load_trajectories(stage)
+        cached = self.folder.load_trajectories(stage)
         if cached is not None:
             logger.info("collect: reusing %d trajectories of stage %d", len(cached), stage)
             return cached
@@ -237,7 +241,7 @@ class Stream:
             )
         if not ok:
             raise RuntimeError(f"stage {stage}: no usable expert trajectory")
-        self.run.save_trajectories(stage, ok)
+        self.folder.save_trajectories(stage, ok)
         return ok
 
     def _select(self, stage: int, trajs: list[Trajectory], store) -> tuple[list[Trajectory], int]:
@@ -255,7 +259,7 @@ class Stream:
 
     def _replay(self, stage: int, done: list[StageResult], n_anchors: int) -> list[Trajectory]:
         earlier = [
-            t for r in done for t in self.run.load_trajectories(r.stage) or [] if t.id in set(r.anchors)
+            t for r in done for t in self.folder.load_trajectories(r.stage) or [] if t.id in set(r.anchors)
         ]
         n = min(len(earlier), round(self.cfg.replay.ratio * n_anchors))
         picked = random.Random(self.cfg.run.seed * 1000 + stage).sample(earlier, n) if n else []
@@ -290,9 +294,9 @@ class Stream:
         result = train_model(
             model_path,
             examples,
-            self.run.path / rel,
+            self.folder.path / rel,
             cfg.train,
-            self.run.path / "train",
+            self.folder.path / "train",
             pad_id=tokenizer.pad_token_id,
             init_adapter=str(prev) if prev else None,
             seed=cfg.run.seed + stage,
@@ -323,7 +327,7 @@ class Stream:
                 seed=cfg.run.seed,
             )
             trajs = pool.run(tasks, spec, desc=f"stage {stage} evaluation ({domain})")
-            self.run.save_episodes(stage, domain, trajs)
+            self.folder.save_episodes(stage, domain, trajs)
             failed = [t for t in trajs if t.error]
             if failed:
                 logger.warning("evaluate: %d episodes failed: %s", len(failed), failed[0].error)

@@ -45,12 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     results = stream.run()
-    print(f"run folder: {stream.run.path}")
+    print(f"run folder: {stream.folder.path}")
     print("stage  domain          score")
     for r in results:
         for domain, score in sorted(r.scores.items()):
             print(f"{r.stage:>5}  {domain:<14} {score:6.2f}")
-    metrics = json.loads((stream.run.path / "results" / "metrics.json").read_text())
+    metrics = json.loads((stream.folder.path / "results" / "metrics.json").read_text())
     print("average over stages:", {d: round(v, 2) for d, v in metrics["average"].items()})
     return 0
 

@@ -1,0 +1,38 @@
+"""The harness memory: distil trajectories into experience cards, embed them, store and retrieve them.
+
+Importing this package is light: sentence-transformers (torch), Ray and LanceDB load only when an
+``Embedder``, a pipeline function or a ``MemoryStore`` is used. See ``pipeline`` for the stage flow.
+"""
+
+from __future__ import annotations
+
+from hamo_ray.memory.distill import (
+    Distiller,
+    OutlineDistiller,
+    card_from_trajectory,
+    get_distiller,
+    outline_from_trajectory,
+    register_distiller,
+)
+from hamo_ray.memory.embed import Embedder, key_text
+from hamo_ray.memory.pipeline import build_cards_dataset, distil_batch, retrieve, write_cards
+from hamo_ray.memory.schema import card_schema, to_card_table
+from hamo_ray.memory.store import MemoryStore
+
+__all__ = [
+    "Distiller",
+    "Embedder",
+    "MemoryStore",
+    "OutlineDistiller",
+    "build_cards_dataset",
+    "card_from_trajectory",
+    "card_schema",
+    "distil_batch",
+    "get_distiller",
+    "key_text",
+    "outline_from_trajectory",
+    "register_distiller",
+    "retrieve",
+    "to_card_table",
+    "write_cards",
+]

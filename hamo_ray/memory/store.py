@@ -1,0 +1,206 @@
+"""The experience memory: a LanceDB table of cards and their key embeddings.
+
+The table schema is the ``Card`` type plus a fixed-size float32 ``vector`` column
+(``hamo_ray.memory.schema``). The store is append-only and idempotent on ``id``; searches are exact
+(flat scan, no approximate index) top-k by cosine similarity. ``uri`` is any LanceDB URI: a local
+folder (the embedded default), an object store (``s3://...``) or a LanceDB server::
+
+    store = MemoryStore("runs/x/memory", dim=384)
+    store.add(rows)                                        # dicts with Card fields + "vector"
+    hits = store.search(query_vectors, k=2, exclude_ids=[{"own-card-id"}])
+
+Reads check for new table versions every time, so a reader in another process sees rows that a
+writer added after the reader opened the store.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from hamo_ray.memory.schema import CARD_FIELDS, Rows, as_matrix, card_schema, to_card_table
+from hamo_ray.types import Card
+
+logger = logging.getLogger(__name__)
+
+_QUERY_CHUNK = 256  # query vectors per LanceDB call; bounds the size of one result table
+_ID_CHUNK = 512  # ids per "id IN (...)" filter
+
+
+def _sql_list(values: Sequence[str]) -> str:
+    return ", ".join("'" + v.replace("'", "''") + "'" for v in values)
+
+
+class MemoryStore:
+    """Append-only card memory over one LanceDB table.
+
+    Args:
+        uri: a LanceDB URI (local folder, object store or server).
+        table: the table name.
+        dim: the vector width. With None, an existing table gives it, or the first ``add`` does.
+
+    Raises:
+        ValueError: ``dim`` disagrees with the existing table's vector width.
+    """
+
+    def __init__(self, uri: str, table: str = "cards", dim: int | None = None) -> None:
+        import lancedb
+
+        self.uri = str(uri)
+        self.table_name = table
+        # interval 0: every read checks for versions committed by other processes.
+        self._db = lancedb.connect(self.uri, read_consistency_interval=timedelta(0))
+        self._table: Any = None
+        self.dim = dim
+        if self._open() is None and dim is not None:
+            self._set_table(self._db.create_table(table, schema=card_schema(dim), exist_ok=True))
+
+    def _open(self) -> Any:
+        """The LanceDB table, or None while it does not exist yet (another process may create it)."""
+        if self._table is None:
+            try:
+                table = self._db.open_table(self.table_name)
+            except (ValueError, FileNotFoundError):
+                return None
+            self._set_table(table)
+        return self._table
+
+    def _set_table(self, table: Any) -> None:
+        width = table.schema.field("vector").type.list_size
+        if self.dim is not None and width != self.dim:
+            raise ValueError(
+                f"memory table {self.table_name!r} at {self.uri} has width {width}, not {self.dim}"
+            )
+        self._table, self.dim = table, width
+
+    def add(self, rows: Rows) -> int:
+        """Add cards; rows whose ``id`` is already stored (or repeated in ``rows``) are skipped.
+
+        One LanceDB transaction: a write that fails leaves the table as it was.
+
+        Args:
+            rows: a list of row dicts, a dict of columns or an arrow table with every ``Card``
+                field and ``vector``.
+
+        Returns:
+            How many rows were added.
+
+        Raises:
+            ValueError: the rows are invalid (see :func:`to_card_table`); nothing is written.
+        """
+        table = to_card_table(rows, self.dim)
+        if table.num_rows == 0:
+            return 0
+        if self._open() is None:
+            width = table.schema.field("vector").type.list_size
+            self._set_table(self._db.create_table(self.table_name, schema=card_schema(width), exist_ok=True))
+        result = self._table.merge_insert("id").when_not_matched_insert_all().execute(table)
+        logger.debug("memory %s: %d of %d rows added", self.uri, result.num_inserted_rows, table.num_rows)
+        return int(result.num_inserted_rows)
+
+    def count(self) -> int:
+        """Number of cards stored."""
+        table = self._open()
+        return 0 if table is None else table.count_rows()
+
+    def cards(self, stage: int | None = None) -> list[Card]:
+        """All cards, or those of one stage, ordered by (stage, trajectory id).
+
+        Args:
+            stage: only cards added at this stage; None for all.
+
+        Returns:
+            The cards.
+        """
+        table = self._open()
+        if table is None:
+            return []
+        query = table.search().select(list(CARD_FIELDS)).limit(None)
+        if stage is not None:
+            query = query.where(f"stage = {int(stage)}")
+        cards = [Card(**row) for row in query.to_arrow().to_pylist()]
+        return sorted(cards, key=lambda c: (c.stage, c.trajectory_id))
+
+    def vectors(self, ids: Sequence[str]) -> np.ndarray:
+        """The stored vectors of some cards.
+
+        Args:
+            ids: card ids.
+
+        Returns:
+            A float32 ``(len(ids), dim)`` array; row i belongs to ``ids[i]``.
+
+        Raises:
+            KeyError: some ids are not stored.
+        """
+        table, found = self._open(), {}
+        unique = list(dict.fromkeys(ids))
+        for start in range(0, len(unique) if table is not None else 0, _ID_CHUNK):
+            where = f"id IN ({_sql_list(unique[start : start + _ID_CHUNK])})"
+            result = table.search().where(where).select(["id", "vector"]).limit(None).to_arrow()
+            found.update(zip(result["id"].to_pylist(), as_matrix(result["vector"]), strict=True))
+        missing = [i for i in unique if i not in found]
+        if missing:
+            raise KeyError(f"cards not in memory: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        return np.stack([found[i] for i in ids]) if ids else np.zeros((0, self.dim or 0), dtype=np.float32)
+
+    def search(
+        self,
+        query_vectors: np.ndarray,
+        k: int,
+        exclude_ids: Sequence[set[str]] | None = None,
+        max_stage: int | None = None,
+    ) -> list[list[tuple[Card, float]]]:
+        """Exact top-k cards by cosine similarity for each query vector.
+
+        Args:
+            query_vectors: ``(n, dim)`` (or one ``(dim,)``) query embeddings.
+            k: cards per query.
+            exclude_ids: per query, card ids it must not return (e.g. the example's own card).
+            max_stage: only cards with ``stage <= max_stage``.
+
+        Returns:
+            For each query, up to k ``(card, cosine similarity)`` pairs, most similar first
+            (ties broken by card id).
+
+        Raises:
+            ValueError: the query width differs from the table's, or ``exclude_ids`` has another length.
+        """
+        queries = np.asarray(query_vectors, dtype=np.float32)
+        queries = queries[None, :] if queries.ndim == 1 else queries
+        n = queries.shape[0]
+        if exclude_ids is not None and len(exclude_ids) != n:
+            raise ValueError(f"exclude_ids has {len(exclude_ids)} sets for {n} queries")
+        table = self._open()
+        if table is None or k <= 0 or n == 0:
+            return [[] for _ in range(n)]
+        if queries.shape[1] != self.dim:
+            raise ValueError(
+                f"query width {queries.shape[1]} does not match the memory table's width {self.dim}"
+            )
+        excluded = [set(e) for e in exclude_ids] if exclude_ids is not None else [set() for _ in range(n)]
+        limit = k + max(len(e) for e in excluded)
+        hits: list[list[tuple[Card, float]]] = [[] for _ in range(n)]
+        for start in range(0, n, _QUERY_CHUNK):
+            chunk = queries[start : start + _QUERY_CHUNK]
+            query = (
+                table.search(chunk if len(chunk) > 1 else chunk[0], vector_column_name="vector")
+                .distance_type("cosine")
+                .bypass_vector_index()
+                .select([*CARD_FIELDS, "_distance"])
+                .limit(limit)
+            )
+            if max_stage is not None:
+                query = query.where(f"stage <= {int(max_stage)}")
+            result = query.to_arrow()
+            # LanceDB adds "query_index" only when it was given more than one query vector.
+            qis = result["query_index"].to_pylist() if len(chunk) > 1 else [0] * result.num_rows
+            rows = result.select(list(CARD_FIELDS)).to_pylist()
+            for qi, row, distance in zip(qis, rows, result["_distance"].to_pylist(), strict=True):
+                if row["id"] not in excluded[start + qi]:
+                    hits[start + qi].append((Card(**row), 1.0 - float(distance)))
+        return [sorted(h, key=lambda hit: (-hit[1], hit[0].id))[:k] for h in hits]

@@ -1,0 +1,229 @@
+"""Unit tests of the harness memory (no Ray): distiller, LanceDB store, embedder.
+
+Run: pytest tests/unit/test_memory.py -q
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hamo_ray.memory import (
+    Embedder,
+    MemoryStore,
+    card_from_trajectory,
+    card_schema,
+    get_distiller,
+    key_text,
+    outline_from_trajectory,
+)
+from hamo_ray.types import Card, TaskSpec, Trajectory, card_id
+
+DIM = 4
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _traj(actions: list[str], task: str = "boil", variation: int = 0) -> Trajectory:
+    return Trajectory(
+        task=TaskSpec(domain="scienceworld", task=task, variation=variation),
+        goal=f"Your task is to {task}.",
+        init_obs="This room is called the hallway.",
+        actions=actions,
+        observations=["ok"] * len(actions),
+        score=100.0,
+        done=True,
+        source="expert",
+    )
+
+
+THERMOMETER = [
+    "open door to kitchen",
+    "go to kitchen",
+    "look around",
+    "pick up thermometer",
+    "focus on thermometer in inventory",
+    "inventory",
+    "open door to hallway",
+    "go to hallway",
+    "teleport to living room",
+    "look around",
+    "pick up unknown substance B",
+    "0",
+    "use thermometer in inventory on unknown substance B",
+    "use thermometer in inventory on unknown substance B",
+    "wait1",
+]
+
+
+def test_outline_groups_navigation_drops_look_around_and_numbers_steps():
+    outline = outline_from_trajectory(_traj(THERMOMETER))
+    assert outline == (
+        "1. navigate to kitchen; 2. pick up thermometer; 3. focus on thermometer in inventory; "
+        "4. navigate to living room (via hallway); 5. pick up unknown substance B; "
+        "6. use thermometer in inventory on unknown substance B (x2); 7. wait1"
+    )
+    assert "look around" not in outline and ". inventory" not in outline and ". 0" not in outline
+
+
+def test_outline_is_deterministic_and_collapses_repeated_blocks():
+    actions = ["go to sink"] + ["activate sink", "deactivate sink", "look around"] * 4 + ["wait1"]
+    first = outline_from_trajectory(_traj(actions))
+    assert first == outline_from_trajectory(_traj(list(actions)))
+    assert first == "1. navigate to sink; 2. repeat 4 times: activate sink, deactivate sink; 3. wait1"
+
+
+def test_outline_is_capped_with_a_final_marker():
+    actions = [f"pick up object {i}" for i in range(30)]
+    outline = outline_from_trajectory(_traj(actions))
+    steps = outline.split("; ")
+    assert len(steps) == 13 and steps[-1] == "..." and steps[-2] == "12. pick up object 11"
+    assert outline_from_trajectory(_traj(actions[:12])).split("; ")[-1] == "12. pick up object 11"
+    assert outline_from_trajectory(_traj(["look around", "inventory"])) == ""
+
+
+def test_distiller_registry_and_card():
+    traj = _traj(THERMOMETER)
+    distiller = get_distiller("outline")
+    [outline] = distiller.distill([traj])
+    card = card_from_trajectory(traj, stage=2, outline=outline)
+    assert card.id == card_id(traj.id) and card.trajectory_id == traj.id and card.stage == 2
+    assert (card.domain, card.task, card.variation, card.score) == ("scienceworld", "boil", 0, 100.0)
+    assert key_text(card.goal, card.init_obs) == card.key_text
+    with pytest.raises(KeyError, match="unknown distiller"):
+        get_distiller("nope")
+
+
+def _unit(v: list[float]) -> np.ndarray:
+    a = np.asarray(v, dtype=np.float32)
+    return a / np.linalg.norm(a)
+
+
+def _rows(n: int, stage: int = 0, start: int = 0) -> list[dict]:
+    """Card rows whose vectors point at increasing angles in the first two dimensions."""
+    rows = []
+    for i in range(start, start + n):
+        card = card_from_trajectory(_traj(["pick up x"], variation=i), stage=stage, outline="1. pick up x")
+        angle = i * 0.1
+        rows.append({**card.model_dump(), "vector": _unit([np.cos(angle), np.sin(angle), 0.0, 0.0])})
+    return rows
+
+
+def test_schema_is_card_fields_plus_vector():
+    schema = card_schema(DIM)
+    assert schema.names == [*Card.model_fields, "vector"]
+    assert schema.field("vector").type.list_size == DIM
+
+
+def test_add_count_and_idempotent_readd(tmp_path):
+    store = MemoryStore(str(tmp_path / "mem"), dim=DIM)
+    assert store.count() == 0 and store.cards() == []
+    assert store.add(_rows(5)) == 5
+    assert store.count() == 5
+    assert store.add(_rows(5)) == 0
+    assert store.add(_rows(7)) == 2
+    assert store.add(_rows(2, start=20) * 2) == 2  # duplicates inside one write
+    assert store.count() == 9
+    cards = store.cards()
+    assert len(cards) == 9 and all(isinstance(c, Card) for c in cards)
+    ids = [cards[3].id, cards[0].id]
+    np.testing.assert_allclose(np.linalg.norm(store.vectors(ids), axis=1), 1.0, rtol=1e-5)
+    with pytest.raises(KeyError):
+        store.vectors(["missing"])
+
+
+def test_search_nearest_exclusion_and_stage_filter(tmp_path):
+    store = MemoryStore(str(tmp_path / "mem"))  # the first add sets the width
+    store.add(_rows(5, stage=0) + _rows(5, stage=1, start=5))
+    ids = [r["id"] for r in _rows(5, stage=0) + _rows(5, stage=1, start=5)]
+    query = _unit([np.cos(0.31), np.sin(0.31), 0.0, 0.0])  # nearest: variation 3, then 2/4
+    [hits] = store.search(query[None, :], k=3)
+    assert [c.variation for c, _ in hits] == [3, 4, 2]
+    assert hits[0][1] == pytest.approx(np.cos(0.01), abs=1e-5)
+    assert hits[0][1] >= hits[1][1] >= hits[2][1]
+    both = store.search(np.stack([query, query]), k=2, exclude_ids=[set(), {ids[3], ids[4]}])
+    assert [c.variation for c, _ in both[0]] == [3, 4]
+    assert [c.variation for c, _ in both[1]] == [2, 5]
+    far = _unit([np.cos(0.8), np.sin(0.8), 0.0, 0.0])  # nearest overall: stage 1 cards
+    [hits] = store.search(far, k=2, max_stage=0)
+    assert [(c.variation, c.stage) for c, _ in hits] == [(4, 0), (3, 0)]
+    assert len(store.cards(stage=1)) == 5
+    with pytest.raises(ValueError, match="width"):
+        store.search(np.ones((1, DIM + 1), dtype=np.float32), k=1)
+
+
+def test_second_instance_sees_later_rows(tmp_path):
+    uri = str(tmp_path / "mem")
+    writer = MemoryStore(uri, dim=DIM)
+    writer.add(_rows(2))
+    reader = MemoryStore(uri)
+    assert reader.count() == 2 and reader.dim == DIM
+    writer.add(_rows(3, start=10))
+    assert reader.count() == 5
+    [hits] = reader.search(_unit([np.cos(1.1), np.sin(1.1), 0, 0]), k=1)
+    assert hits[0][0].variation == 11
+
+
+def test_reader_in_another_process_sees_rows(tmp_path):
+    uri = str(tmp_path / "mem")
+    MemoryStore(uri, dim=DIM).add(_rows(3))
+    code = f"from hamo_ray.memory import MemoryStore; print(MemoryStore({uri!r}).count())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "3"
+
+
+def test_bad_write_raises_and_leaves_table_unchanged(tmp_path):
+    store = MemoryStore(str(tmp_path / "mem"), dim=DIM)
+    store.add(_rows(3))
+    before = store.cards()
+    bad = _rows(2, start=10)
+    bad[1] = {**bad[1], "vector": np.ones(DIM + 2, dtype=np.float32)}
+    with pytest.raises(ValueError, match="width"):
+        store.add(bad)
+    wide = [{**r, "vector": np.ones(DIM + 2, dtype=np.float32)} for r in _rows(2, start=10)]
+    with pytest.raises(ValueError, match="width 6 does not match"):
+        store.add(wide)
+    with pytest.raises(ValueError, match="lack columns"):
+        store.add([{k: v for k, v in r.items() if k != "goal"} for r in _rows(1, start=30)])
+    with pytest.raises(ValueError, match="variation"):
+        store.add([{**_rows(1, start=40)[0], "variation": "not a number"}])
+    assert store.count() == 3 and store.cards() == before
+    with pytest.raises(ValueError, match="width"):
+        MemoryStore(store.uri, dim=DIM + 1)
+
+
+@pytest.fixture(scope="module")
+def embedder() -> Embedder:
+    return Embedder()
+
+
+def test_embedder_unit_vectors_and_similarity(embedder):
+    texts = [
+        "Your task is to boil water.",
+        "Your task is to heat water until it boils.",
+        "Your task is to find the animal with the longest life span.",
+    ]
+    vectors = embedder.embed(texts)
+    assert vectors.shape == (3, 384) and vectors.dtype == np.float32 and embedder.dim == 384
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
+    assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2] + 0.2
+    assert embedder.embed([]).shape == (0, 384)
+    batch = {"goal": np.array(texts[:2], dtype=object), "init_obs": np.array(["a", "b"], dtype=object)}
+    out = embedder(batch)
+    assert out["vector"].shape == (2, 384)
+    np.testing.assert_allclose(out["vector"][0], embedder.embed([key_text(texts[0], "a")])[0], atol=1e-5)
+
+
+def test_import_is_light():
+    code = textwrap.dedent(
+        """
+        import sys, hamo_ray.memory
+        heavy = [m for m in ("torch", "ray", "lancedb", "sentence_transformers") if m in sys.modules]
+        assert not heavy, heavy
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
