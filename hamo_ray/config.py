@@ -170,6 +170,7 @@ class ServeConfig(_Cfg):
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     max_loras: int = 2
+    max_lora_rank: int = 16  # the largest adapter rank the engine accepts (>= train.lora_r)
     max_num_seqs: int = 64
     kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
     gpu_memory_utilization: float = 0.85
@@ -209,6 +210,14 @@ class HamoConfig(_Cfg):
     serve: ServeConfig = ServeConfig()
     rollout: RolloutConfig = RolloutConfig()
     ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> HamoConfig:
+        if self.train.lora_r > self.serve.max_lora_rank:
+            raise ValueError(
+                f"train.lora_r ({self.train.lora_r}) exceeds serve.max_lora_rank ({self.serve.max_lora_rank})"
+            )
+        return self
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -120,7 +120,7 @@ class Stream:
     def _start_serving(self, model_path: str) -> tuple[str, str | None]:
         from ray import serve
 
-        from hamo_ray.serving import start_policy_server
+        from hamo_ray.serving import start_policy_server, wait_healthy
         from hamo_ray.serving.harness import build_harness_app
 
         cfg = self.cfg
@@ -132,6 +132,7 @@ class Stream:
             app = build_harness_app(self.folder.memory_uri, cfg.memory.table, cfg.memory.embedding_model)
             serve.run(app, name=f"{cfg.serve.app_name}-harness", route_prefix="/harness")
             harness_url = f"{base_url}/harness"
+            wait_healthy(harness_url)
         # Adapters of committed stages (a resumed run) are published again under their names.
         for result in self.folder.stages():
             if result.adapter:

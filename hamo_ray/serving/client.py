@@ -1,0 +1,241 @@
+"""Driver-side API of the policy endpoint: start it, publish an adapter and prove it live, stop it.
+
+::
+
+    url = start_policy_server(model_path, cfg.model, cfg.serve, run_dir / "adapters")
+    info = publish_adapter(url, "stage-1", run_dir / "adapters/stage-1", cfg.serve.probe_prompt,
+                           cfg.serve.probe_tokens)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="EMPTY")
+    shutdown_policy_server(cfg.serve)
+
+Only ``start_policy_server``/``shutdown_policy_server`` need Ray (a connected driver); the HTTP
+calls use plain httpx and work from any process that can reach the URL.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from hamo_ray.config import ModelConfig, ServeConfig
+from hamo_ray.serving.engine import DEFAULT_MAX_LORA_RANK
+
+logger = logging.getLogger(__name__)
+
+
+class PolicyServerError(RuntimeError):
+    """The policy endpoint did not come up (or answered something unexpected)."""
+
+
+class AdapterNotLiveError(RuntimeError):
+    """A published adapter could not be shown to be served: not loaded, not listed, or no effect."""
+
+
+def base_url(serve_cfg: ServeConfig) -> str:
+    """``http://host:port[prefix]`` of the endpoint (a wildcard host becomes this node's IP)."""
+    host = serve_cfg.host
+    if host in ("0.0.0.0", "::", ""):
+        import ray
+
+        host = ray.util.get_node_ip_address()
+    prefix = serve_cfg.route_prefix.rstrip("/")
+    return f"http://{host}:{serve_cfg.port}{prefix}"
+
+
+def wait_healthy(url: str, timeout_s: float = 300.0, instance: str | None = None) -> None:
+    """Poll ``GET {url}/health`` until it answers 200 (from deployment ``instance``, when given).
+
+    Raises:
+        PolicyServerError: not healthy within ``timeout_s``, or another server answers on that port.
+    """
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{url}/health", timeout=10.0)
+            if r.status_code == 200:
+                if instance is None or r.json().get("instance") == instance:
+                    return
+                raise PolicyServerError(
+                    f"{url} is answered by another server ({r.text[:200]}); is the port taken by another "
+                    "process or Ray cluster? Choose another serve.port."
+                )
+            last = f"{r.status_code} {r.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(1.0)
+    raise PolicyServerError(f"policy server at {url} not healthy after {timeout_s:.0f}s: {last}")
+
+
+def start_policy_server(
+    model_path: str | Path,
+    model_cfg: ModelConfig,
+    serve_cfg: ServeConfig,
+    adapter_root: str | Path,
+    *,
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
+    timeout_s: float = 600.0,
+) -> str:
+    """Deploy the policy endpoint on the connected Ray cluster and wait until it answers.
+
+    Serve's HTTP proxy is started on ``serve_cfg.host:port`` (cluster-wide options: a Serve instance
+    already running keeps its own). The engine starts in the replica (~20-60 s on CPU).
+
+    Args:
+        model_path: local HF folder (or hub id) of the base model, served as ``model_cfg.name``.
+        model_cfg: served name, dtype, context length.
+        serve_cfg: replicas, resources and engine sizing.
+        adapter_root: the folder adapters are published from (created if missing).
+        max_lora_rank: the largest adapter rank the engine accepts.
+        timeout_s: how long to wait for the endpoint to become healthy.
+
+    Returns:
+        The base URL, e.g. ``http://127.0.0.1:8000``; OpenAI clients use ``base_url + "/v1"``.
+
+    Raises:
+        PolicyServerError: the endpoint was not healthy within ``timeout_s``.
+    """
+    from ray import serve
+
+    from hamo_ray.serving.app import build_app
+
+    t0 = time.monotonic()
+    Path(adapter_root).expanduser().mkdir(parents=True, exist_ok=True)
+    serve.start(http_options={"host": serve_cfg.host, "port": serve_cfg.port})
+    instance = uuid.uuid4().hex
+    app = build_app(model_path, model_cfg, serve_cfg, adapter_root, max_lora_rank, instance)
+    serve.run(app, name=serve_cfg.app_name, route_prefix=serve_cfg.route_prefix, blocking=False)
+    url = base_url(_running_http(serve_cfg))
+    wait_healthy(url, max(1.0, timeout_s - (time.monotonic() - t0)), instance)
+    logger.info("policy server %r healthy at %s after %.1fs", model_cfg.name, url, time.monotonic() - t0)
+    return url
+
+
+def _running_http(serve_cfg: ServeConfig) -> ServeConfig:
+    """``serve_cfg`` with the host and port of the running Serve proxy (an earlier start wins)."""
+    try:
+        from ray.serve.context import _get_global_client  # private; Serve has no public getter
+
+        http = _get_global_client().http_config
+        host, port = http.host, http.port
+    except Exception:  # another Serve version: trust the config
+        return serve_cfg
+    if (host, port) != (serve_cfg.host, serve_cfg.port):
+        logger.warning(
+            "Serve was already running on %s:%s; serving there, not on %s:%s",
+            host,
+            port,
+            serve_cfg.host,
+            serve_cfg.port,
+        )
+    return serve_cfg.model_copy(update={"host": host, "port": port})
+
+
+def shutdown_policy_server(serve_cfg: ServeConfig | None = None) -> None:
+    """Delete the endpoint's Serve application; stop Serve too when no other application is left."""
+    from ray import serve
+
+    serve_cfg = serve_cfg or ServeConfig()
+    try:
+        serve.delete(serve_cfg.app_name)
+        if not serve.status().applications:
+            serve.shutdown()
+    except Exception as exc:  # Serve already gone: nothing to stop
+        logger.info("policy server shutdown: %s", exc)
+
+
+def _probe(client: httpx.Client, url: str, model: str, prompt: str, tokens: int) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0.0,
+        "max_tokens": tokens,
+        "logprobs": True,
+        "return_tokens_as_token_ids": True,
+    }
+    r = client.post(f"{url}/v1/chat/completions", json=body)
+    if r.status_code != 200:
+        raise AdapterNotLiveError(f"probe request to {model!r} failed: {r.status_code} {r.text[:500]}")
+    choice = r.json()["choices"][0]
+    content = (choice.get("logprobs") or {}).get("content") or []
+    return {
+        "text": choice["message"]["content"],
+        "tokens": [int(c["token"].removeprefix("token_id:")) for c in content],
+        "logprobs": [float(c["logprob"]) for c in content],
+    }
+
+
+def publish_adapter(
+    base_url: str,
+    name: str,
+    path: str | Path,
+    probe_prompt: str,
+    probe_tokens: int,
+    *,
+    min_logprob_diff: float = 1e-4,
+    timeout_s: float = 120.0,
+) -> dict[str, Any]:
+    """Load the adapter in ``path`` under ``name`` and prove it is live.
+
+    Live means: ``/v1/models`` lists ``name``, and a greedy probe chat request naming it succeeds
+    and differs from the base model's answer to the same probe, in its tokens or in a token's
+    logprob by more than ``min_logprob_diff`` (an adapter that changes nothing is not provably live).
+
+    Args:
+        base_url: what ``start_policy_server`` returned.
+        name: a new served name (``[A-Za-z0-9._:-]``); republishing the same name and folder is ok.
+        path: the adapter folder, absolute or relative to the server's adapter root, inside it.
+        probe_prompt: the user message of the probe.
+        probe_tokens: greedy tokens generated for the probe.
+        min_logprob_diff: the smallest logprob change that counts as an effect.
+        timeout_s: per HTTP request.
+
+    Returns:
+        ``{"name", "path", "lora_int_id", "status", "base", "text", "base_text", "tokens",
+        "base_tokens", "tokens_differ", "max_logprob_diff", "seconds"}``.
+
+    Raises:
+        AdapterNotLiveError: the load was refused, or the adapter is not listed or has no effect.
+    """
+    t0 = time.monotonic()
+    with httpx.Client(timeout=timeout_s) as client:
+        r = client.post(f"{base_url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+        if r.status_code != 200:
+            raise AdapterNotLiveError(
+                f"loading adapter {name!r} from {str(path)!r} failed: {r.status_code} {r.text}"
+            )
+        loaded = r.json()
+        models = client.get(f"{base_url}/v1/models").json()["data"]
+        if name not in {m["id"] for m in models}:
+            raise AdapterNotLiveError(f"adapter {name!r} loaded but not listed by /v1/models")
+        base = next(m["id"] for m in models if m.get("parent") is None)
+        live = _probe(client, base_url, name, probe_prompt, probe_tokens)
+        ref = _probe(client, base_url, base, probe_prompt, probe_tokens)
+    diffs = [abs(a - b) for a, b in zip(live["logprobs"], ref["logprobs"], strict=False)]
+    max_diff = max(diffs, default=0.0)
+    tokens_differ = live["tokens"] != ref["tokens"]
+    if not tokens_differ and max_diff <= min_logprob_diff:
+        raise AdapterNotLiveError(
+            f"adapter {name!r} answers the probe exactly like the base model {base!r} "
+            f"(max logprob difference {max_diff:.2e}): it is not provably live"
+        )
+    info = {
+        **{k: loaded[k] for k in ("lora_int_id", "status")},
+        "name": name,
+        "path": loaded["lora_path"],
+        "base": base,
+        "text": live["text"],
+        "base_text": ref["text"],
+        "tokens": live["tokens"],
+        "base_tokens": ref["tokens"],
+        "tokens_differ": tokens_differ,
+        "max_logprob_diff": max_diff,
+        "seconds": time.monotonic() - t0,
+    }
+    logger.info("adapter %r live (tokens differ: %s, max logprob diff %.3g)", name, tokens_differ, max_diff)
+    return info

@@ -1,0 +1,242 @@
+"""The policy endpoint, live: Ray Serve + vLLM (CPU build) on a random tiny backbone and two LoRA adapters.
+
+One server per module (startup ~1 min); clients are the official ``openai`` package and httpx.
+The key check: greedy outputs of the served base model and of each served adapter equal
+transformers + peft greedy outputs of the same weights, token id for token id.
+
+    pytest tests/ray/test_serving.py -x -q
+"""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import openai
+import pytest
+
+from hamo_ray.config import ModelConfig, ServeConfig
+from hamo_ray.serving import AdapterNotLiveError, publish_adapter, shutdown_policy_server, start_policy_server
+
+
+def _free_port() -> int:
+    """A free local port: the machine may run other servers on Serve's default 8000."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [
+    "Your task is to focus on the animal. This room is called the kitchen.",
+    "open door to hallway",
+    "pick up thermometer. focus on orange.",
+]
+MAX_TOKENS = 20
+SERVE = ServeConfig(
+    max_num_seqs=16, kv_cache_gib=1, num_cpus=1, port=_free_port(), app_name="hamo-serving-test"
+)
+MODEL = ModelConfig(name="base", max_model_len=512, dtype="float32")
+
+
+def _make_adapter(base, path, seed: int, init_lora_weights: bool = False) -> None:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, init_lora_weights=init_lora_weights)
+    get_peft_model(model, config).save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    from hamo_ray.training.tiny_lm import make_random_backbone
+
+    root = tmp_path_factory.mktemp("serving")
+    base = make_random_backbone(root / "base")
+    adapters = root / "adapters"
+    _make_adapter(base, adapters / "stage-1", seed=1)
+    _make_adapter(base, adapters / "stage-2", seed=2)
+    _make_adapter(base, adapters / "noop", seed=3, init_lora_weights=True)  # B = 0: identical to base
+    return {"base": base, "adapters": adapters}
+
+
+@pytest.fixture(scope="module")
+def server(ray_session, weights):
+    url = start_policy_server(weights["base"], MODEL, SERVE, weights["adapters"], timeout_s=300)
+    yield url
+    shutdown_policy_server(SERVE)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="EMPTY", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def published(server, weights):
+    """Both adapters published under new names (absolute and root-relative paths)."""
+    prompt, tokens = SERVE.probe_prompt, SERVE.probe_tokens
+    return {
+        "s1": publish_adapter(server, "s1", weights["adapters"] / "stage-1", prompt, tokens),
+        "s2": publish_adapter(server, "s2", "stage-2", prompt, tokens),
+    }
+
+
+def test_models_and_chat_format(client):
+    assert [m.id for m in client.models.list().data][0] == "base"
+    r = client.chat.completions.create(
+        model="base", messages=[{"role": "user", "content": PROMPTS[0]}], temperature=0, max_tokens=8, seed=3
+    )
+    assert r.object == "chat.completion" and r.model == "base"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 8 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    c = client.completions.create(model="base", prompt="open door", temperature=0, max_tokens=5, logprobs=1)
+    assert c.object == "text_completion" and c.usage.completion_tokens <= 5
+    assert len(c.choices[0].logprobs.token_logprobs) == c.usage.completion_tokens
+
+
+def test_errors_are_openai_json(client, server):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert err.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="base", messages=[{"role": "user", "content": "x"}], n=2)
+    with pytest.raises(openai.BadRequestError, match="context window"):
+        client.chat.completions.create(model="base", messages=[{"role": "user", "content": "kitchen " * 600}])
+    for bad in (b"{not json", b'{"model": "base"}'):
+        r = httpx.post(
+            f"{server}/v1/chat/completions", content=bad, headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 400 and "message" in r.json()["error"]
+    assert httpx.get(f"{server}/health").json()["status"] == "ok"
+
+
+def test_publish_adapters_live(client, published):
+    assert {m.id for m in client.models.list().data} >= {"base", "s1", "s2"}
+    for name, info in published.items():
+        assert info["name"] == name and info["status"] == "loaded"
+        assert info["tokens_differ"] or info["max_logprob_diff"] > 1e-4
+    assert published["s1"]["lora_int_id"] != published["s2"]["lora_int_id"]
+
+
+def test_adapter_paths_and_names_checked(server, weights, published):
+    def load(name: str, path: str) -> httpx.Response:
+        return httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+
+    assert load("x", str(weights["base"])).status_code == 400  # outside the root
+    assert load("x", "../base").status_code == 400
+    assert load("x", "stage-1/../../base").status_code == 400
+    assert load("x", "missing").status_code == 400
+    assert load("base", "stage-1").status_code == 400  # the base name is taken
+    assert load("s1", "stage-2").status_code == 409  # a name is never reused for other weights
+    again = load("s1", str(weights["adapters"] / "stage-1"))
+    assert again.status_code == 200 and again.json()["status"] == "already_loaded"
+    with pytest.raises(AdapterNotLiveError, match="outside"):
+        publish_adapter(server, "y", str(weights["base"]), "x", 4)
+    with pytest.raises(AdapterNotLiveError, match="not provably live"):
+        publish_adapter(server, "noop", "noop", SERVE.probe_prompt, SERVE.probe_tokens)
+
+
+def test_registry_shared_between_replicas(weights, tmp_path):
+    """What one replica publishes, another (or a restarted one) adopts from served_adapters.json."""
+    import shutil
+
+    from hamo_ray.serving.adapters import AdapterError, AdapterRegistry
+
+    shutil.copytree(weights["adapters"] / "stage-1", tmp_path / "stage-1")
+    first, second = (AdapterRegistry(tmp_path, {"base"}, max_lora_rank=16) for _ in range(2))
+    path, known = first.check("s1", "stage-1")
+    assert not known and path == tmp_path.resolve() / "stage-1"
+    first.add("s1", path)
+    assert second.sync() == [("s1", path)] and second.sync() == []
+    with pytest.raises(AdapterError, match="max_lora_rank"):
+        AdapterRegistry(tmp_path, {"base"}, max_lora_rank=8).check("s9", "stage-1")
+
+
+def test_load_through_serve_handle(server, weights):
+    from ray import serve
+
+    handle = serve.get_app_handle(SERVE.app_name)
+    info = handle.load_adapter.remote("s1-handle", str(weights["adapters"] / "stage-1")).result()
+    assert info["status"] == "loaded" and info["lora_int_id"] >= 1
+    models = httpx.get(f"{server}/v1/models").json()["data"]
+    assert "s1-handle" in {m["id"] for m in models}
+
+
+def test_stream_matches_non_stream(client, published):
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    full = client.chat.completions.create(model="s1", messages=messages, temperature=0, max_tokens=12)
+    chunks = list(
+        client.chat.completions.create(
+            model="s1",
+            messages=messages,
+            temperature=0,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def _served_greedy(client, model: str, prompt: str) -> list[int]:
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        logprobs=True,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    return [int(t.token.removeprefix("token_id:")) for t in r.choices[0].logprobs.content]
+
+
+def _hf_greedy(model, tokenizer, prompt: str) -> list[int]:
+    import torch
+
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=MAX_TOKENS,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def _strip_eos(tokens: list[int], eos: int) -> list[int]:
+    return tokens[: tokens.index(eos)] if eos in tokens else tokens
+
+
+@pytest.mark.parametrize("served, folder", [("base", None), ("s1", "stage-1"), ("s2", "stage-2")])
+def test_greedy_equals_transformers_peft(client, published, weights, served, folder):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(weights["base"])
+    model = AutoModelForCausalLM.from_pretrained(weights["base"], dtype=torch.float32)
+    if folder is not None:
+        model = PeftModel.from_pretrained(model, weights["adapters"] / folder)
+    model.eval()
+    eos = tokenizer.eos_token_id
+    lengths = []
+    for prompt in PROMPTS:
+        expected = _strip_eos(_hf_greedy(model, tokenizer, prompt), eos)
+        got = _strip_eos(_served_greedy(client, served, prompt), eos)
+        assert got == expected, f"{served} on {prompt!r}"
+        lengths.append(len(got))
+    assert max(lengths) > 0  # the comparison covered generated tokens, not only empty answers

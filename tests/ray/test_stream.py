@@ -1,0 +1,91 @@
+"""A real 2-stage tiny stream: Ray, Serve + vLLM, LanceDB, ScienceWorld, Ray Train, end to end."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from hamo_ray.config import ConfigError, load_config
+from hamo_ray.stream import Stream
+
+OVERRIDES = [
+    # A smaller backbone build and stream than jobs/configs/tiny.yaml, to keep the suite short.
+    "backbone.per_task=6",
+    "backbone.epochs=2",
+    "protocol.train_per_task=6",
+    "protocol.test_per_task=2",
+    "env.max_turns=6",
+    "rollout.num_workers=2",
+    "rollout.envs_per_worker=2",
+    "train.epochs=1",
+]
+
+
+@pytest.fixture(scope="module")
+def finished_run(ray_session, tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    cfg = load_config(
+        "jobs/configs/tiny.yaml",
+        [*OVERRIDES, f"run.root={root}", "run.id=t", f"backbone.cache_dir={root / 'backbones'}"],
+    )
+    results = Stream(cfg).run()
+    return cfg, root / "t", results
+
+
+def test_run_folder_contents(finished_run):
+    cfg, run, results = finished_run
+    assert [r.stage for r in results] == [1, 2]
+    with open(run / "results" / "scores.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["stage"], r["domain"]) for r in rows] == [("1", "scienceworld"), ("2", "scienceworld")]
+    assert all(0.0 <= float(r["score"]) <= 100.0 for r in rows)
+    metrics = json.loads((run / "results" / "metrics.json").read_text())
+    assert metrics["num_stages"] == 2 and "scienceworld" in metrics["average"]
+    assert (run / "config.yaml").exists() and (run / "state.json").exists()
+    # Every evaluated test task has exactly one episode per stage.
+    for stage in (1, 2):
+        episodes = (run / "episodes" / f"stage-{stage}-scienceworld.jsonl").read_text().splitlines()
+        assert len(episodes) == 2 * len(cfg.env.task_types)
+
+
+def test_selection_budget_and_replay(finished_run):
+    _, _, results = finished_run
+    for r in results:
+        assert 1 <= r.budget <= r.num_trajectories
+        assert len(r.anchors) == r.budget
+    assert results[0].replay == []
+    assert set(results[1].replay) <= set(results[0].anchors)
+
+
+def test_cards_in_lancedb(finished_run):
+    from hamo_ray.memory.store import MemoryStore
+
+    _, run, results = finished_run
+    store = MemoryStore(str(run / "memory"), "cards")
+    assert store.count() == sum(r.num_trajectories for r in results)
+    assert {c.stage for c in store.cards()} == {1, 2}
+
+
+def test_adapters_load_in_peft(finished_run):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    cfg, run, results = finished_run
+    from hamo_ray.training.backbone import backbone_path
+
+    for r in results:
+        assert r.adapter == f"adapters/stage-{r.stage}" and r.adapter_name == f"stage-{r.stage}"
+        base = AutoModelForCausalLM.from_pretrained(backbone_path(cfg))
+        model = PeftModel.from_pretrained(base, run / r.adapter)
+        assert any("lora_A" in n for n, _ in model.named_parameters())
+
+
+def test_resubmitting_a_finished_run_does_nothing_and_no_resume_refuses(finished_run):
+    cfg, run, results = finished_run
+    again = Stream(cfg).run()
+    assert again == results
+    no_resume = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": False})})
+    with pytest.raises(ConfigError, match="finished stage"):
+        Stream(no_resume).run()

@@ -1,0 +1,76 @@
+"""Config loading: defaults, YAML differences, dotted overrides, and errors that name the key."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from hamo_ray.config import ConfigError, HamoConfig, load_config
+
+
+def test_defaults_and_presets():
+    cfg = load_config()
+    assert (
+        cfg.train.lora_r == 16
+        and cfg.train.lora_alpha == 32
+        and cfg.train.lr == 2e-4
+        and cfg.train.epochs == 3
+    )
+    assert cfg.rollout.temperature == 0.7 and cfg.env.max_turns == 50
+    assert cfg.method.retrieval and cfg.method.train and cfg.method.conditioning and cfg.method.selection
+    base = load_config(overrides=["method.name=base"])
+    assert not base.method.retrieval and not base.method.train and not base.method.uses_memory
+    custom = load_config(overrides=["method.name=hamo", "method.replay=false"])
+    assert custom.method.replay is False and custom.method.selection is True
+
+
+def test_yaml_then_overrides(tmp_path):
+    f = tmp_path / "x.yaml"
+    f.write_text("train:\n  epochs: 5\nenv:\n  task_types: [boil]\n")
+    cfg = load_config(f, ["train.epochs=1", "env.task_types=[melt, freeze]", "model.path=/x"])
+    assert cfg.train.epochs == 1
+    assert cfg.env.task_types == ["melt", "freeze"]
+    assert cfg.model.path == "/x"
+
+
+def test_config_is_frozen():
+    cfg = HamoConfig()
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.train.epochs = 9  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("train.epoch=1", "train.epoch"),
+        ("trian.epochs=1", "trian"),
+        ("train.epochs=many", "train.epochs"),
+        ("train=3", "section"),
+        ("train.epochs.x=3", "not a section"),
+        ("noequals", "key=value"),
+        ("protocol.num_stages=0", "num_stages"),
+    ],
+)
+def test_bad_overrides_name_the_key(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(overrides=[override])
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lora_rank: 8\n")
+    with pytest.raises(ConfigError, match="train.lora_rank"):
+        load_config(bad)
+    notmap = tmp_path / "list.yaml"
+    notmap.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(notmap)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(overrides=["train.epochs=2"])
+    f = tmp_path / "resolved.yaml"
+    f.write_text(cfg.to_yaml())
+    assert load_config(f) == cfg

@@ -1,0 +1,84 @@
+"""The stream refuses bad input before any work, and never silently overwrites finished stages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hamo_ray.config import ConfigError, load_config
+from hamo_ray.run_state import RunFolder
+from hamo_ray.stream import Stream, split_stages
+from hamo_ray.types import StageResult, TaskSpec
+
+
+def _cfg(tmp_path, *extra):
+    return load_config("jobs/configs/tiny.yaml", [f"run.root={tmp_path}", *extra])
+
+
+def test_unknown_task_type_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="boill"):
+        Stream(_cfg(tmp_path, "env.task_types=[boill]"))
+
+
+def test_unknown_domain_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="nodomain"):
+        Stream(_cfg(tmp_path, "env.domain=nodomain"))
+
+
+def test_missing_model_path_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="/no/such/model"):
+        Stream(_cfg(tmp_path, "model.path=/no/such/model"))
+
+
+def test_stages_are_disjoint_and_cover_every_task_type(tmp_path):
+    stream = Stream(_cfg(tmp_path, "protocol.num_stages=3", "protocol.train_per_task=7"))
+    ids = [t.id for stage in stream.stage_tasks for t in stage]
+    assert len(ids) == len(set(ids)) == 7 * len(stream.cfg.env.task_types)
+    for stage in stream.stage_tasks:
+        assert {t.task for t in stage} == set(stream.cfg.env.task_types)
+    test_ids = {t.id for t in stream.test_tasks["scienceworld"]}
+    assert not test_ids & set(ids)
+
+
+def test_split_stages_round_robin():
+    tasks = {"a": [TaskSpec(domain="d", task="a", variation=i) for i in range(5)]}
+    stages = split_stages(tasks, 2)
+    assert [[t.variation for t in s] for s in stages] == [[0, 2, 4], [1, 3]]
+
+
+def _finished_stage() -> StageResult:
+    return StageResult(
+        stage=1,
+        method="hamo",
+        num_trajectories=1,
+        num_cards=1,
+        budget=1,
+        anchors=[],
+        replay=[],
+        adapter=None,
+        adapter_name=None,
+        train_loss=None,
+        scores={"scienceworld": 10.0},
+        seconds={},
+    )
+
+
+def test_finished_run_is_not_overwritten_silently(tmp_path):
+    cfg = _cfg(tmp_path, "run.id=r1")
+    folder = RunFolder(tmp_path / "r1", cfg)
+    folder.prepare()
+    folder.commit(_finished_stage())
+    no_resume = _cfg(tmp_path, "run.id=r1", "run.resume=false")
+    with pytest.raises(ConfigError, match="already holds 1 finished stage"):
+        RunFolder(tmp_path / "r1", no_resume).prepare()
+    changed = _cfg(tmp_path, "run.id=r1", "train.epochs=9")
+    with pytest.raises(ConfigError, match="train.epochs"):
+        RunFolder(tmp_path / "r1", changed).prepare()
+    # Same config: resumes with the committed stage; the state is untouched.
+    assert [s.stage for s in RunFolder(tmp_path / "r1", cfg).prepare()] == [1]
+    state = json.loads((tmp_path / "r1" / "state.json").read_text())
+    assert len(state["stages"]) == 1
+    assert (tmp_path / "r1" / "results" / "scores.csv").read_text().splitlines()[
+        1
+    ] == "1,scienceworld,hamo,10.0000"
