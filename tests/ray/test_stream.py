@@ -20,6 +20,8 @@ OVERRIDES = [
     "rollout.num_workers=2",
     "rollout.envs_per_worker=2",
     "train.epochs=1",
+    "serve.port=18471",  # not the default 8000: other servers may run on this machine
+    "serve.app_name=hamo-stream-test",
 ]
 
 
