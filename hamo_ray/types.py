@@ -100,8 +100,9 @@ class Card(_Frozen):
 class StageResult(_Frozen):
     """What one committed stage produced; ``state.json`` holds one per finished stage."""
 
-    stage: int
+    stage: int  # 1..T; 0 is the evaluation before any stage (protocol.eval_initial)
     method: str
+    domain: str = ""  # the domain whose training data this stage used
     num_trajectories: int
     num_cards: int
     budget: int

@@ -1,24 +1,40 @@
 """Continual-learning metrics from the stage x domain score matrix (pure functions).
 
-``scores[t][d]`` is the mean score (0-100) on domain ``d``'s test set after stage ``t`` (0-based).
+``scores[t][d]`` is the mean score (0-100) on domain ``d``'s test set after stage ``t + 1``;
+``initial[d]`` (optional) is the score before any stage (``protocol.eval_initial``);
+``stage_domains[t]`` is the domain whose data stage ``t + 1`` trained on (the same domain at every
+stage in the within-domain protocol).
+
+Definitions (T stages, R[i][j] = score on the domain of stage j after stage i, 1-based):
+
+- average over stages: mean over t of scores[t][d];
+- final: scores[T][d]; final total: sum over domains of the final scores;
+- retention of the first domain: its curve over stages (initial score first, when known);
+- forgetting of d: max over t < T of scores[t][d] minus scores[T][d] (Chaudhry et al. 2018);
+- backward transfer BWT = 1/(T-1) sum_{i<T} (R[T][i] - R[i][i]) (Lopez-Paz & Ranzato 2017);
+- forward transfer FWT = 1/(T-1) sum_{i>=2} (R[i-1][i] - b_i), b_i = the initial score on the domain
+  of stage i (needs ``initial``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+
+Matrix = Sequence[dict[str, float]]
 
 
-def stage_average(scores: list[dict[str, float]], domain: str) -> float:
+def stage_average(scores: Matrix, domain: str) -> float:
     """Mean over stages of a domain's score (the paper's "average over stages")."""
     vals = [row[domain] for row in scores if domain in row]
     return sum(vals) / len(vals) if vals else math.nan
 
 
-def final_scores(scores: list[dict[str, float]]) -> dict[str, float]:
+def final_scores(scores: Matrix) -> dict[str, float]:
     return dict(scores[-1]) if scores else {}
 
 
-def forgetting(scores: list[dict[str, float]], domain: str) -> float:
+def forgetting(scores: Matrix, domain: str) -> float:
     """Best earlier score minus the final score (0 when the domain never dropped)."""
     vals = [row[domain] for row in scores if domain in row]
     if len(vals) < 2:
@@ -26,15 +42,65 @@ def forgetting(scores: list[dict[str, float]], domain: str) -> float:
     return max(0.0, max(vals[:-1]) - vals[-1])
 
 
-def summarize(scores: list[dict[str, float]]) -> dict:
-    """The metrics written to ``results/metrics.json``."""
+def backward_transfer(scores: Matrix, stage_domains: Sequence[str]) -> float | None:
+    """BWT: how training on later stages changed the score on earlier stages' domains."""
+    t = len(scores)
+    if t < 2:
+        return None
+    return sum(scores[-1][stage_domains[i]] - scores[i][stage_domains[i]] for i in range(t - 1)) / (t - 1)
+
+
+def forward_transfer(
+    scores: Matrix, stage_domains: Sequence[str], initial: dict[str, float] | None
+) -> float | None:
+    """FWT: the score on a stage's domain just before training on it, over the initial score."""
+    t = len(scores)
+    if t < 2 or not initial:
+        return None
+    return sum(scores[i - 1][stage_domains[i]] - initial[stage_domains[i]] for i in range(1, t)) / (t - 1)
+
+
+def summarize(
+    scores: Matrix, stage_domains: Sequence[str] | None = None, initial: dict[str, float] | None = None
+) -> dict:
+    """The metrics of one run, as written to ``results/metrics.json``."""
     domains = sorted({d for row in scores for d in row})
+    stage_domains = list(stage_domains or ([domains[0]] * len(scores) if domains else []))
     final = final_scores(scores)
+    first = stage_domains[0] if stage_domains else None
+    retention = ([initial[first]] if initial and first in initial else []) + [
+        row.get(first) for row in scores
+    ]
     return {
         "num_stages": len(scores),
+        "stage_domains": stage_domains,
+        "initial": initial,
         "stage_scores": {d: [row.get(d) for row in scores] for d in domains},
         "average": {d: stage_average(scores, d) for d in domains},
         "final": final,
         "final_total": sum(final.values()),
+        "first_domain": first,
+        "retention": retention,
         "forgetting": {d: forgetting(scores, d) for d in domains},
+        "backward_transfer": backward_transfer(scores, stage_domains),
+        "forward_transfer": forward_transfer(scores, stage_domains, initial),
     }
+
+
+def mean_interval(values: Sequence[float], confidence: float = 0.95) -> dict[str, float | int | None]:
+    """Mean, sample standard deviation and the two-sided t interval over seeds.
+
+    With one value the standard deviation and interval are None (no variance from one run).
+    """
+    vals = [float(v) for v in values if v is not None and not math.isnan(v)]
+    n = len(vals)
+    if n == 0:
+        return {"n": 0, "mean": None, "std": None, "ci_low": None, "ci_high": None}
+    mean = sum(vals) / n
+    if n == 1:
+        return {"n": 1, "mean": mean, "std": None, "ci_low": None, "ci_high": None}
+    from scipy import stats
+
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1))
+    half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * std / math.sqrt(n)
+    return {"n": n, "mean": mean, "std": std, "ci_low": mean - half, "ci_high": mean + half}

@@ -35,8 +35,7 @@ def backbone_key(cfg: HamoConfig) -> str:
     payload = {
         "v": BUILD_VERSION,
         "backbone": cfg.backbone.model_dump(mode="json", exclude={"cache_dir"}),
-        "domain": cfg.env.domain,
-        "task_types": sorted(cfg.env.task_types),
+        "domains": {d: sorted(cfg.task_types(d)) for d in cfg.domains()},
         "simplifications": cfg.env.simplifications,
         "prompt": cfg.prompt.model_dump(mode="json"),
         "top_k": cfg.memory.top_k,
@@ -48,7 +47,7 @@ def backbone_key(cfg: HamoConfig) -> str:
 
 
 def backbone_path(cfg: HamoConfig) -> Path:
-    return Path(cfg.backbone.cache_dir).expanduser() / f"{cfg.env.domain}-{backbone_key(cfg)}"
+    return Path(cfg.backbone.cache_dir).expanduser() / f"{'-'.join(cfg.domains())}-{backbone_key(cfg)}"
 
 
 def _embed_keys(texts: list[str], model_name: str) -> np.ndarray:
@@ -82,12 +81,12 @@ def _corpus(trajs: list[Trajectory], experience: dict[str, list[Card]], cfg: Ham
     return texts
 
 
-def ensure_backbone(cfg: HamoConfig, pool, storage_path: Path) -> Path:
+def ensure_backbone(cfg: HamoConfig, run_expert, storage_path: Path) -> Path:
     """Return the cached embedded backbone for ``cfg``, building it first if needed.
 
     Args:
-        cfg: the run's config (backbone, env, prompt and memory settings).
-        pool: an ``EnvPool`` of the config's domain, used to roll out the expert trajectories.
+        cfg: the run's config (backbone, env, prompt and memory settings; every domain of the stream).
+        run_expert: ``(domain, tasks) -> list[Trajectory]``, rolling out expert episodes (an ``EnvPool``).
         storage_path: Ray Train's storage for the build's checkpoints.
 
     Returns:
@@ -107,14 +106,13 @@ def ensure_backbone(cfg: HamoConfig, pool, storage_path: Path) -> Path:
         return path
     start = time.time()
     bcfg = cfg.backbone
-    domain = get_domain(cfg.env.domain, cfg.env)
-    tasks = [t for tt in cfg.env.task_types for t in domain.tasks(bcfg.split, tt, limit=bcfg.per_task)]
-    logger.info(
-        "backbone: building %s from %d expert episodes of split %r", path.name, len(tasks), bcfg.split
-    )
-    trajs = [
-        t for t in pool.run(tasks, None, desc="backbone expert episodes") if t.error is None and t.actions
-    ]
+    logger.info("backbone: building %s from split %r", path.name, bcfg.split)
+    trajs = []
+    for name in cfg.domains():
+        domain = get_domain(name, cfg.env)
+        tasks = [t for tt in cfg.task_types(name) for t in domain.tasks(bcfg.split, tt, limit=bcfg.per_task)]
+        logger.info("backbone: %d expert episodes of %s", len(tasks), name)
+        trajs += [t for t in run_expert(name, tasks) if t.error is None and t.actions and t.score > 0]
     if not trajs:
         raise RuntimeError("backbone: no expert trajectory could be collected")
     keys = [f"{t.goal}\n{t.init_obs}" for t in trajs]

@@ -1,0 +1,194 @@
+"""Sweeps: a grid of methods x models x domain orders x seeds, each cell a stream run.
+
+A sweep file (YAML) names a base config and the grid::
+
+    base: jobs/configs/tiny.yaml          # relative to the sweep file
+    overrides: [protocol.num_stages=2]    # applied to every cell
+    root: runs/sweep-tiny                 # cells under <root>/cells/<cell>, results under <root>/results
+    parallel: 1                           # cells run at once (Ray tasks); 1 on a laptop
+    cell_resources: {CPU: 0}              # resources each cell's controller task holds
+    grid:
+      method: [base, harness, model_only, hamo]
+      model: [embedded]                   # model.path values
+      order: [[scienceworld]]             # cross_domain orders; [[d]] for a within-domain stream of d
+      seed: [0, 1]
+
+Cells that finished earlier are skipped (their run folder holds every stage); a killed sweep
+resumes each unfinished cell after its last committed stage. Cells sharing a backbone share one
+policy endpoint (adapter names carry the cell's run id). At the end, every cell's
+``results/metrics.json`` is aggregated into ``<root>/results/summary.json``, a table and plots.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hamo_ray.config import ConfigError, HamoConfig, load_config
+
+logger = logging.getLogger(__name__)
+
+
+class GridConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: list[str] = Field(default_factory=lambda: ["hamo"])
+    model: list[str] = Field(default_factory=lambda: ["embedded"])
+    order: list[list[str]] = Field(default_factory=list)  # empty: the base config's own protocol
+    seed: list[int] = Field(default_factory=lambda: [0])
+
+
+class SweepConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base: str
+    overrides: list[str] = Field(default_factory=list)
+    root: str = "runs/sweep"
+    parallel: int = Field(default=1, ge=1)
+    cell_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 0})
+    grid: GridConfig = GridConfig()
+
+
+def load_sweep(path: str | Path, overrides: list[str] = ()) -> tuple[SweepConfig, Path]:
+    """Read a sweep file; ``base`` is resolved relative to the file. Errors name the key or file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"sweep file {str(p)!r} does not exist")
+    data = yaml.safe_load(p.read_text()) or {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or key not in SweepConfig.model_fields:
+            raise ConfigError(
+                f"sweep override {item!r}: expected one of {', '.join(SweepConfig.model_fields)}=value"
+            )
+        data[key] = yaml.safe_load(raw)
+    try:
+        sweep = SweepConfig.model_validate(data)
+    except ValidationError as err:
+        keys = ", ".join(".".join(str(x) for x in e["loc"]) + f" ({e['msg']})" for e in err.errors())
+        raise ConfigError(f"invalid sweep file {str(p)!r}: {keys}") from None
+    base = (p.parent / sweep.base) if not Path(sweep.base).is_absolute() else Path(sweep.base)
+    if not base.is_file():
+        base = Path(sweep.base)
+    if not base.is_file():
+        raise ConfigError(f"sweep file {str(p)!r}: base config {sweep.base!r} does not exist")
+    return sweep, base
+
+
+def _tag(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in Path(text).name if c)[:40].strip("-") or "x"
+
+
+def expand_cells(sweep: SweepConfig, base: Path) -> list[tuple[str, HamoConfig]]:
+    """One validated ``HamoConfig`` per grid cell, named ``<method>-<model>-<order>-s<seed>``."""
+    g = sweep.grid
+    root = Path(sweep.root)
+    orders: list[list[str] | None] = [list(o) for o in g.order] or [None]
+    cells = []
+    for method, model, order, seed in itertools.product(g.method, g.model, orders, g.seed):
+        extra = [f"method.name={method}", f"model.path={model}", f"run.seed={seed}"]
+        order_tag = "default"
+        if order is not None:
+            order_tag = "".join(d[0].upper() for d in order)
+            if len(order) == 1:
+                extra += ["protocol.kind=within_domain", f"env.domain={order[0]}"]
+            else:
+                extra += ["protocol.kind=cross_domain", f"protocol.order=[{','.join(order)}]"]
+        name = f"{method}-{_tag(model)}-{order_tag}-s{seed}"
+        cfg = load_config(base, [*sweep.overrides, *extra, f"run.root={root / 'cells'}", f"run.id={name}"])
+        cells.append((name, cfg))
+    return cells
+
+
+def setting_of(cfg: HamoConfig) -> str:
+    return f"{_tag(cfg.model.path)} | {'->'.join(cfg.domains())}"
+
+
+def aggregate(cells: list[tuple[str, HamoConfig]], out_dir: Path) -> dict[str, Any]:
+    """Mean and 95% interval over seeds per (setting, method): summary.json, table.md and plots."""
+    from hamo_ray.evaluation import plots
+    from hamo_ray.evaluation.metrics import mean_interval
+
+    groups: dict[str, dict[str, list[dict]]] = {}
+    for name, cfg in cells:
+        f = Path(cfg.run.root) / name / "results" / "metrics.json"
+        if not f.exists():
+            logger.warning("sweep: cell %s has no metrics yet; left out of the aggregate", name)
+            continue
+        groups.setdefault(setting_of(cfg), {}).setdefault(cfg.method.name, []).append(
+            json.loads(f.read_text())
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {}
+    lines = [
+        "| setting | method | seeds | average (mean ± 95% CI) | final total | forgetting (first domain) |",
+        "|---|---|---|---|---|---|",
+    ]
+    figures = []
+    for n, (setting, methods) in enumerate(sorted(groups.items())):
+        curves, retention, first_stage = {}, {}, 1
+        summary[setting] = {}
+        for method, runs in sorted(methods.items()):
+            domains = sorted(runs[0]["stage_scores"])
+            first = runs[0]["first_domain"]
+            avg = mean_interval([sum(r["average"].values()) / len(r["average"]) for r in runs])
+            total = mean_interval([r["final_total"] for r in runs])
+            forget = mean_interval([r["forgetting"].get(first, 0.0) for r in runs])
+            stages = len(runs[0]["stage_scores"][domains[0]])
+            curves[method] = {
+                d: [mean_interval([r["stage_scores"][d][t] for r in runs]) for t in range(stages)]
+                for d in domains
+            }
+            points = len(runs[0]["retention"])
+            retention[method] = [mean_interval([r["retention"][i] for r in runs]) for i in range(points)]
+            first_stage = 0 if runs[0].get("initial") else 1
+            summary[setting][method] = {
+                "seeds": len(runs),
+                "average": avg,
+                "final_total": total,
+                "forgetting_first": forget,
+                "stage_scores": curves[method],
+                "retention": retention[method],
+                "backward_transfer": mean_interval([r["backward_transfer"] for r in runs]),
+                "forward_transfer": mean_interval([r["forward_transfer"] for r in runs]),
+            }
+            lines.append(
+                f"| {setting} | {method} | {len(runs)} | {_fmt(avg)} | {_fmt(total)} | {_fmt(forget)} |"
+            )
+        tag = f"setting{n}"
+        figures.append(
+            (
+                setting,
+                [
+                    plots.stagewise(
+                        curves, out_dir / f"{tag}-stagewise.png", f"Stage-wise scores: {setting}"
+                    ),
+                    plots.domain_bars(
+                        curves, out_dir / f"{tag}-bars.png", f"Per domain after each stage: {setting}"
+                    ),
+                    plots.retention(retention, out_dir / f"{tag}-retention.png", first, first_stage),
+                ],
+            )
+        )
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    table = "\n".join(lines) + "\n"
+    (out_dir / "table.md").write_text(table)
+    report = ["# Sweep report", "", table]
+    for setting, pngs in figures:
+        report += [f"## {setting}", ""] + [f"![{p.stem}](results/{p.name})" for p in pngs] + [""]
+    (out_dir.parent / "report.md").write_text("\n".join(report))
+    return summary
+
+
+def _fmt(r: dict) -> str:
+    if r["mean"] is None:
+        return "n/a"
+    if r["std"] is None:
+        return f"{r['mean']:.2f}"
+    return f"{r['mean']:.2f} ± {(r['ci_high'] - r['mean']):.2f}"

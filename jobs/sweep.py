@@ -1,0 +1,124 @@
+"""Run a sweep: methods x models x domain orders x seeds, each cell a stream run, then aggregate.
+
+On this machine (starts a local Ray)::
+
+    python jobs/sweep.py --config jobs/configs/sweep-tiny.yaml [root=runs/other parallel=2]
+
+Against a cluster::
+
+    ray job submit --working-dir . -- python jobs/sweep.py --config jobs/configs/sweep-tiny.yaml
+
+Finished cells are skipped; resubmitting a killed sweep resumes it. Results: ``<root>/results/``
+(summary.json, table.md, plots) and ``<root>/report.md``. See hamo_ray/sweep.py for the file format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from hamo_ray.config import ConfigError  # noqa: E402
+from hamo_ray.logs import setup_logging  # noqa: E402
+
+logger = logging.getLogger("hamo_ray.jobs.sweep")
+
+
+def run_cell(cfg_json: str, base_url: str) -> int:
+    """One cell: a stream run against the shared endpoint; returns its number of committed stages."""
+    from hamo_ray.config import HamoConfig
+    from hamo_ray.logs import setup_logging
+    from hamo_ray.stream import Stream
+
+    setup_logging()
+    return len(Stream(HamoConfig.model_validate_json(cfg_json)).run(base_url=base_url))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", required=True, help="sweep YAML file")
+    parser.add_argument("overrides", nargs="*", help="sweep-level overrides, e.g. root=runs/x parallel=2")
+    args = parser.parse_args(argv)
+    setup_logging()
+    from hamo_ray.stream import Stream
+    from hamo_ray.sweep import aggregate, expand_cells, load_sweep
+
+    try:
+        sweep, base = load_sweep(args.config, args.overrides)
+        cells = expand_cells(sweep, base)
+        streams = {name: Stream(cfg) for name, cfg in cells}  # validates every cell before any work
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    todo = [name for name, _ in cells if not streams[name].finished]
+    logger.info("sweep: %d cells, %d to run, %d finished", len(cells), len(todo), len(cells) - len(todo))
+    if todo:
+        run_cells(sweep, cells, streams, todo)
+    summary = aggregate(cells, Path(sweep.root) / "results")
+    print((Path(sweep.root) / "results" / "table.md").read_text())
+    print(f"report: {Path(sweep.root) / 'report.md'}")
+    return 0 if summary else 1
+
+
+def run_cells(sweep, cells, streams, todo) -> None:
+    import ray
+
+    from hamo_ray.serving import shutdown_policy_server, start_policy_server
+
+    cfgs = dict(cells)
+    servers: dict[str, str] = {}  # backbone path -> endpoint
+    urls: dict[str, str] = {}  # cell -> endpoint
+    first_cfg = cfgs[todo[0]]
+    try:
+        # One endpoint per backbone, shared by the cells that use it (adapters under root/cells).
+        for name in todo:
+            path = streams[name].prepare_backbone()
+            if path not in servers:
+                cfg = cfgs[name]
+                servers[path] = start_policy_server(
+                    path,
+                    cfg.model,
+                    cfg.serve.model_copy(update={"app_name": f"{cfg.serve.app_name}-{len(servers)}"}),
+                    adapter_root=str(Path(cfg.run.root).resolve()),
+                    max_lora_rank=cfg.serve.max_lora_rank,
+                )
+            urls[name] = servers[path]
+        task = ray.remote(run_cell).options(
+            resources=_custom(sweep.cell_resources),
+            num_cpus=sweep.cell_resources.get("CPU", 0),
+            num_gpus=sweep.cell_resources.get("GPU", 0),
+        )
+        pending: dict = {}
+        queue = list(todo)
+        while queue or pending:
+            while queue and len(pending) < sweep.parallel:
+                name = queue.pop(0)
+                ref = task.remote(cfgs[name].model_dump_json(), urls[name])
+                pending[ref] = name
+                logger.info("sweep: started cell %s", name)
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                name = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                    logger.info("sweep: cell %s finished", name)
+                except Exception as exc:  # a failed cell is reported; the others go on
+                    logger.error("sweep: cell %s failed: %s", name, exc)
+    finally:
+        for n in range(len(servers)):
+            shutdown_policy_server(
+                first_cfg.serve.model_copy(update={"app_name": f"{first_cfg.serve.app_name}-{n}"})
+            )
+
+
+def _custom(resources: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
