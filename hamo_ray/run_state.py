@@ -53,6 +53,7 @@ class RunFolder:
         self.path = Path(path).resolve()
         self.cfg = cfg
         self.timings: dict[str, float] = {}
+        self.backbone: str | None = None  # the resolved backbone path (jobs/serve.py reads it)
 
     @property
     def state_file(self) -> Path:
@@ -138,7 +139,11 @@ class RunFolder:
         """Record a finished stage: state.json first (atomically), then the results it implies."""
         stages = [s for s in self.stages() if s.stage != result.stage] + [result]
         stages.sort(key=lambda s: s.stage)
-        state = {"stages": [s.model_dump(mode="json") for s in stages], "timings": self.timings}
+        state = {
+            "stages": [s.model_dump(mode="json") for s in stages],
+            "backbone": self.backbone,
+            "timings": self.timings,
+        }
         atomic_write(self.state_file, json.dumps(state, indent=1))
         self.write_results(stages)
 

@@ -173,6 +173,7 @@ class Stream:
 
     def _backbone(self) -> str:
         if self.cfg.model.path != "embedded":
+            self.folder.backbone = self.cfg.model.path
             return self.cfg.model.path
         from hamo_ray.training.backbone import ensure_backbone
 
@@ -185,6 +186,7 @@ class Stream:
             self.folder.path / "train",
         )
         self.folder.timings["backbone"] = time.time() - t0
+        self.folder.backbone = str(path)
         return str(path)
 
     # -- serving -------------------------------------------------------------------------------
@@ -298,12 +300,19 @@ class Stream:
         if m.train:
             tick = time.time()
             prev = self.folder.path / trained[-1].adapter if trained else None
-            adapter_path, loss = self._train(stage, anchors + replay, store, model_path, prev)
+            rel = f"adapters/stage-{stage}" + ("-bc" if m.dpo else "")
+            adapter_path, loss = self._train(stage, anchors + replay, store, model_path, prev, rel)
             secs["train"] = time.time() - tick
             tick = time.time()
-            adapter_name = self.adapter_name(stage)
+            adapter_name = self.adapter_name(stage) + ("-bc" if m.dpo else "")
             self._publish(base_url, adapter_name, self.folder.path / adapter_path)
             secs["publish"] = time.time() - tick
+            if m.dpo:
+                tick = time.time()
+                adapter_path, adapter_name, loss = self._eto(
+                    stage, domain, trajs, model_path, adapter_path, adapter_name, base_url, loss
+                )
+                secs["dpo"] = time.time() - tick
             if m.release and store is not None:
                 self._release(store, anchors)
 
@@ -381,7 +390,9 @@ class Stream:
         )
         return {t.id: [c for c, _ in h] for t, h in zip(batch, hits, strict=True)}
 
-    def _train(self, stage: int, batch: list[Trajectory], store, model_path: str, prev: Path | None):
+    def _train(
+        self, stage: int, batch: list[Trajectory], store, model_path: str, prev: Path | None, rel: str
+    ):
         from transformers import AutoTokenizer
 
         from hamo_ray.training.examples import build_examples
@@ -398,7 +409,6 @@ class Stream:
             len(examples),
             prev or "fresh LoRA",
         )
-        rel = f"adapters/stage-{stage}"
         result = train_model(
             model_path,
             examples,
@@ -417,6 +427,45 @@ class Stream:
             result.seconds,
         )
         return rel, result.loss
+
+    def _eto(self, stage, domain, trajs, model_path, bc_path, bc_name, base_url, bc_loss):
+        """ETO: explore the stage's tasks with the BC adapter, then DPO on (expert, failure) pairs."""
+        from transformers import AutoTokenizer
+
+        from hamo_ray.training.dpo import build_pairs, encode_pairs, train_dpo
+
+        cfg = self.cfg
+        spec = PolicySpec(
+            base_url=base_url,
+            model=bc_name,
+            temperature=cfg.rollout.temperature,
+            max_tokens=cfg.rollout.max_tokens,
+            timeout_s=cfg.rollout.request_timeout_s,
+            seed=cfg.run.seed + 7919,
+        )
+        explored = self._pool(domain).run(
+            [t.task for t in trajs], spec, desc=f"stage {stage} ETO exploration"
+        )
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        pairs = encode_pairs(build_pairs(trajs, explored), tokenizer, cfg.prompt, cfg.train.max_seq_len)
+        logger.info("eto: %d failure/success pairs from %d explored episodes", len(pairs), len(explored))
+        if not pairs:
+            return bc_path, bc_name, bc_loss
+        rel = f"adapters/stage-{stage}"
+        result = train_dpo(
+            model_path,
+            str(self.folder.path / bc_path),
+            pairs,
+            self.folder.path / rel,
+            cfg.train,
+            self.folder.path / "train",
+            pad_id=tokenizer.pad_token_id,
+            seed=cfg.run.seed + stage,
+            name=f"stage-{stage}-dpo",
+        )
+        name = self.adapter_name(stage)
+        self._publish(base_url, name, self.folder.path / rel)
+        return rel, name, result["loss"]
 
     def _release(self, store, anchors: list[Trajectory]) -> None:
         """METHOD.md step 6: mark the cards of internalised high-quality anchors released (not deleted)."""

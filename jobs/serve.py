@@ -47,6 +47,10 @@ def _model_path(cfg: HamoConfig, run: Path) -> str:
         return cfg.model.path
     from hamo_ray.training.backbone import backbone_path
 
+    state = run / "state.json"
+    recorded_state = json.loads(state.read_text()).get("backbone") if state.is_file() else None
+    if recorded_state and (Path(recorded_state) / "config.json").is_file():
+        return recorded_state  # the stream records the backbone it resolved
     path = backbone_path(cfg)
     if (path / "config.json").is_file():
         return str(path)

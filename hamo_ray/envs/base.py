@@ -53,6 +53,7 @@ class Domain:
     """A family of tasks with splits; subclasses make the environments."""
 
     name: str = ""
+    env_memory_mb: int = 200  # resource hint: memory of one environment (rollout actors reserve it)
 
     def __init__(self, cfg: EnvConfig) -> None:
         self.cfg = cfg

@@ -375,6 +375,13 @@ def _is_jvm_error(err: Any) -> bool:
 class ScienceWorldDomain(Domain):
     """The 30 ScienceWorld tasks with the package's train/dev/test variation splits."""
 
+    @property
+    def env_memory_mb(self) -> int:  # type: ignore[override]
+        """One JVM per environment: the capped heap plus ~150 MB of JVM and py4j overhead (measured 350-470 MB)."""
+        heap = self.cfg.jvm_heap.lower()
+        mb = int(heap[:-1]) * (1024 if heap.endswith("g") else 1) if heap[-1] in "mg" else 512
+        return mb + 150
+
     def task_types(self) -> list[str]:
         return task_names()
 

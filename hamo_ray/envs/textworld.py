@@ -252,6 +252,8 @@ class TextWorldEnv:
 class TextWorldDomain(Domain):
     """Four TextWorld challenges at fixed small difficulties; variations are seeds."""
 
+    env_memory_mb = 100  # resource hint per environment (measured well below this)
+
     def task_types(self) -> list[str]:
         return list(CHALLENGES)
 

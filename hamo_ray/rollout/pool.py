@@ -45,29 +45,58 @@ class EnvPool:
         refs, index_lists = [], []
         for n, start in enumerate(range(0, len(tasks), chunk)):
             idx = list(range(start, min(start + chunk, len(tasks))))
-            worker = self.workers[n % len(self.workers)]
-            refs.append(worker.run.remote([tasks[i] for i in idx], policy))
+            refs.append(self._submit_chunk(n, [tasks[i] for i in idx], policy))
             index_lists.append(idx)
         return refs, index_lists
+
+    def _submit_chunk(self, n: int, tasks: list[TaskSpec], policy: PolicySpec | None):
+        worker = self.workers[n % len(self.workers)]
+        return worker.run.remote(tasks, policy, self.cfg.max_attempts)
 
     def run(
         self, tasks: list[TaskSpec], policy: PolicySpec | None = None, desc: str = "episodes"
     ) -> list[Trajectory]:
-        """Run one episode per task and return the trajectories in task order, logging progress."""
+        """Run one episode per task and return the trajectories in task order, logging progress.
+
+        A chunk whose actor died is played again from the start on another actor (a restarted one
+        included), up to ``rollout.max_actor_restarts`` times; then its episodes are recorded as
+        failed with the error. Every task gets exactly one trajectory.
+        """
         import ray
 
         start = time.time()
         refs, index_lists = self.submit(tasks, policy)
-        where = {ref: idx for ref, idx in zip(refs, index_lists, strict=True)}
+        where = {ref: (idx, n, 0) for n, (ref, idx) in enumerate(zip(refs, index_lists, strict=True))}
         results: list[Trajectory | None] = [None] * len(tasks)
         pending, done_n = list(refs), 0
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
             for ref in ready:
-                for i, traj in zip(where[ref], ray.get(ref), strict=True):
+                idx, n, tries = where.pop(ref)
+                try:
+                    trajs = ray.get(ref)
+                except Exception as exc:  # the actor died (killed, out of memory, node lost)
+                    error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    if tries < self.cfg.max_actor_restarts:
+                        logger.warning(
+                            "%s: actor lost %d episodes (%s); replaying them", desc, len(idx), error
+                        )
+                        retry = self._submit_chunk(n + tries + 1, [tasks[i] for i in idx], policy)
+                        where[retry] = (idx, n, tries + 1)
+                        pending.append(retry)
+                        continue
+                    logger.error("%s: %d episodes lost with their actor: %s", desc, len(idx), error)
+                    kind = "policy" if policy else "expert"
+                    trajs = [
+                        Trajectory(task=tasks[i], goal="", init_obs="", source=kind, error=error) for i in idx
+                    ]
+                for i, traj in zip(idx, trajs, strict=True):
                     results[i] = traj
                     done_n += 1
             logger.info("%s: %d/%d done (%.0fs)", desc, done_n, len(tasks), time.time() - start)
+        missing = [tasks[i].id for i, r in enumerate(results) if r is None]
+        if missing:
+            raise RuntimeError(f"{desc}: no trajectory for {missing}")
         return [r for r in results if r is not None]
 
     def shutdown(self) -> None:

@@ -1,7 +1,13 @@
 """The policy endpoint: a Ray Serve deployment over vLLM's v1 ``AsyncLLM``, OpenAI-compatible, multi-LoRA.
 
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
-(both with ``stream=true`` SSE), ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}``.
+(both with ``stream=true`` SSE), ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}``,
+``GET /metrics`` (the engine's Prometheus metrics, e.g. ``vllm:num_requests_running``). Every route
+is guarded (``hamo_ray.serving.guard``: optional bearer key, body size limit); ``max_tokens`` above
+``serve.max_tokens_limit`` is refused. A chat request may carry ``"hamo": {"goal", "init_obs", "k",
+...}`` (``protocol.HamoInjection``): the replica asks the harness deployment for the cards and
+builds the prompt in the training format (``hamo_ray.prompting.build_messages``); the answer then
+has a ``hamo`` field with the cards, their scores and the messages built.
 Adapter loading is also a deployment method (``handle.load_adapter.remote(name, path)``). Deploy it
 with ``hamo_ray.serving.start_policy_server``, or by hand::
 
@@ -39,22 +45,35 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hamo_ray.config import ModelConfig, ServeConfig
+from hamo_ray.config import ModelConfig, PromptConfig, ServeConfig
 from hamo_ray.serving import protocol as oa
 from hamo_ray.serving.adapters import AdapterError, AdapterRegistry
 from hamo_ray.serving.engine import DEFAULT_MAX_LORA_RANK, build_engine
+from hamo_ray.serving.guard import GuardMiddleware, configure_guard
 
 logger = logging.getLogger(__name__)
 
+_HARNESS_TIMEOUT_S = 60.0  # a retrieval slower than this (harness down, overloaded) answers 503
 api = FastAPI(title="HaMo policy server")
+api.add_middleware(GuardMiddleware)
 
 
 @api.exception_handler(oa.APIError)
 async def _api_error(_: Request, exc: oa.APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes (404), wrong methods (405), oversize bodies (413), as OpenAI-style JSON."""
+    code = "request_too_large" if exc.status_code == 413 else None
+    return JSONResponse(
+        oa.APIError(exc.status_code, str(exc.detail), code=code).body(), status_code=exc.status_code
+    )
 
 
 @api.exception_handler(RequestValidationError)
@@ -102,6 +121,10 @@ class PolicyServer:
         max_lora_rank: the largest adapter rank accepted.
         instance: an id ``GET /health`` reports, so a client knows it reached this deployment and
             not another server on the same port.
+        harness_app: the Serve application of the harness (``hamo_ray.serving.harness``) that
+            answers ``hamo`` injection requests; None: such requests get 400.
+        prompt_cfg: the run's context rule for injected prompts.
+        top_k: cards injected when a request does not say.
     """
 
     def __init__(
@@ -112,10 +135,19 @@ class PolicyServer:
         adapter_root: str,
         max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
         instance: str = "",
+        harness_app: str | None = None,
+        prompt_cfg: PromptConfig | None = None,
+        top_k: int = 2,
     ):
         from transformers import AutoTokenizer
 
+        configure_guard(serve_cfg.api_key, serve_cfg.max_request_bytes)
         self._instance = instance
+        self._max_tokens_limit = serve_cfg.max_tokens_limit
+        self._harness_app = harness_app
+        self._harness = None
+        self._prompt_cfg = prompt_cfg or PromptConfig()
+        self._top_k = top_k
         self._model_path = str(model_path)
         self._base = model_cfg.name
         self._max_model_len = model_cfg.max_model_len
@@ -231,19 +263,57 @@ class PolicyServer:
         except AdapterError as exc:
             raise oa.APIError(exc.status, exc.message, param="lora_path") from exc
 
+    @api.get("/metrics")
+    async def metrics(self) -> PlainTextResponse:
+        """This replica's Prometheus metrics: vLLM's (``vllm:num_requests_running``, ...) and Python's."""
+        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+        return PlainTextResponse(generate_latest(REGISTRY).decode(), media_type=CONTENT_TYPE_LATEST)
+
+    async def _inject(self, hamo: oa.HamoInjection) -> tuple[list[dict[str, str]], dict[str, Any]]:
+        """The training-format messages for a ``hamo`` request, and what was injected."""
+        from hamo_ray.prompting import build_messages
+        from hamo_ray.types import Card
+
+        k = self._top_k if hamo.k is None else hamo.k
+        found: dict[str, Any] = {"cards": [], "scores": []}
+        if k > 0:
+            if self._harness_app is None:
+                raise oa.APIError(400, "this server has no harness: `hamo` needs k=0", param="hamo")
+            if self._harness is None:
+                self._harness = serve.get_deployment_handle("HarnessServer", app_name=self._harness_app)
+            try:
+                found = await asyncio.wait_for(
+                    self._harness.retrieve_cards.remote(hamo.goal, hamo.init_obs, k, hamo.max_stage),
+                    timeout=_HARNESS_TIMEOUT_S,
+                )
+            except Exception as exc:
+                logger.exception("retrieval failed")
+                raise oa.APIError(503, f"the harness could not retrieve: {exc}", param="hamo") from exc
+        cards = [Card.model_validate(c) for c in found["cards"]]
+        messages = build_messages(
+            hamo.goal, hamo.init_obs, cards, hamo.actions, hamo.observations, self._prompt_cfg
+        )
+        return messages, {**found, "messages": messages}
+
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: oa.ChatCompletionRequest):
         lora = self._lookup(body.model)
+        messages, injected = [m.to_template() for m in body.messages], None
+        if body.hamo is not None:
+            messages, injected = await self._inject(body.hamo)
         try:
             ids = self._tokenizer.apply_chat_template(
-                [m.to_template() for m in body.messages],
+                messages,
                 add_generation_prompt=True,
                 tokenize=True,
                 return_dict=False,
             )
         except Exception as exc:
             raise oa.APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
-        return await self._respond(body, list(ids), lora, chat=True)
+        return await self._respond(
+            body, list(ids), lora, chat=True, extra={"hamo": injected} if injected else None
+        )
 
     @api.post("/v1/completions")
     async def completions(self, body: oa.CompletionRequest):
@@ -263,13 +333,20 @@ class PolicyServer:
                 param="messages" if isinstance(body, oa.ChatCompletionRequest) else "prompt",
             )
         limit = body.token_limit()
+        if limit is not None and limit > self._max_tokens_limit:
+            raise oa.APIError(
+                400,
+                f"max_tokens {limit} exceeds this server's limit {self._max_tokens_limit}",
+                param="max_tokens",
+            )
+        limit = limit or self._max_tokens_limit
         try:  # vLLM validates the values (stop strings, logprobs count, ...)
             return SamplingParams(
                 n=1,
                 temperature=body.temperature,
                 top_p=body.top_p,
                 # A longer request is cut to the context window (finish_reason "length"), not refused.
-                max_tokens=min(limit, room) if limit else room,
+                max_tokens=min(limit, room),
                 seed=body.seed,
                 stop=[body.stop] if isinstance(body.stop, str) else (body.stop or None),
                 logprobs=body.num_logprobs(),
@@ -278,13 +355,13 @@ class PolicyServer:
         except Exception as exc:
             raise _engine_error(exc) from exc
 
-    async def _respond(self, body, ids: list[int], lora, chat: bool):
+    async def _respond(self, body, ids: list[int], lora, chat: bool, extra: dict[str, Any] | None = None):
         params = self._sampling_params(body, len(ids))
         rid = oa.new_id("chatcmpl" if chat else "cmpl")
         gen = self._engine.generate({"prompt_token_ids": ids}, params, rid, lora_request=lora)
         if body.stream:
             return StreamingResponse(
-                self._stream(gen, body, rid, len(ids), chat), media_type="text/event-stream"
+                self._stream(gen, body, rid, len(ids), chat, extra), media_type="text/event-stream"
             )
         final = None
         try:
@@ -295,13 +372,16 @@ class PolicyServer:
         output = final.outputs[0]
         k, as_ids = body.num_logprobs(), body.return_tokens_as_token_ids
         if chat:
-            return oa.chat_response(
+            response = oa.chat_response(
                 rid, body.model, oa.now(), output, len(ids), oa.chat_logprobs(output, k, as_ids)
             )
+            return {**response, **(extra or {})}
         logprobs = oa.completion_logprobs(output, k, as_ids)
         return oa.completion_response(rid, body.model, oa.now(), output, len(ids), logprobs)
 
-    async def _stream(self, gen, body, rid: str, prompt_len: int, chat: bool) -> AsyncIterator[str]:
+    async def _stream(
+        self, gen, body, rid: str, prompt_len: int, chat: bool, extra: dict[str, Any] | None = None
+    ) -> AsyncIterator[str]:
         created, n_tokens, offset, first = oa.now(), 0, 0, True
         k, as_ids = body.num_logprobs(), body.return_tokens_as_token_ids
         try:
@@ -316,6 +396,8 @@ class PolicyServer:
                 piece = oa.chunk(
                     chat, rid, body.model, created, delta.text, delta.finish_reason, logprobs, first
                 )
+                if first and extra:
+                    piece.update(extra)
                 first = False
                 yield f"data: {json.dumps(piece)}\n\n"
         except Exception as exc:
@@ -333,8 +415,15 @@ def build_app(
     adapter_root: str | Path,
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
     instance: str = "",
+    *,
+    harness_app: str | None = None,
+    prompt_cfg: PromptConfig | None = None,
+    top_k: int = 2,
 ):
     """The Serve application of the policy endpoint, sized by ``serve_cfg``; pass it to ``serve.run``.
+
+    ``harness_app`` names a running harness application (``hamo_ray.serving.harness``) that
+    answers the ``hamo`` field of chat requests, built with ``prompt_cfg`` and ``top_k`` cards.
 
     GPUs per replica: ``serve_cfg.num_gpus`` when set, else ``tensor_parallel_size`` when the Ray
     cluster has GPUs, else none (CPU). The replica builds the engine for what it was granted.
@@ -354,5 +443,13 @@ def build_app(
         health_check_timeout_s=60,
     )
     return deployment.bind(
-        str(model_path), model_cfg, serve_cfg, str(Path(adapter_root).expanduser()), max_lora_rank, instance
+        str(model_path),
+        model_cfg,
+        serve_cfg,
+        str(Path(adapter_root).expanduser()),
+        max_lora_rank,
+        instance,
+        harness_app,
+        prompt_cfg,
+        top_k,
     )

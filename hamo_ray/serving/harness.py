@@ -7,19 +7,28 @@ the table's latest version, so cards written by the stream are visible at once.
     POST {route}/retrieve  {"goal": "...", "init_obs": "...", "k": 2, "max_stage": null}
       -> {"cards": [Card, ...], "scores": [float, ...]}
     GET  {route}/health
+
+The same retrieval is a deployment method for other deployments (the policy server's ``hamo``
+injection): ``handle.retrieve_cards.remote(goal, init_obs, k, max_stage)``. Routes are guarded
+like the policy endpoint's (``hamo_ray.serving.guard``); ``max_stage`` set at build time caps every
+query (a run served at ``--stage t`` retrieves only cards of stages <= t).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
+from hamo_ray.serving.guard import GuardMiddleware, configure_guard
+
 logger = logging.getLogger(__name__)
 
 harness_api = FastAPI(title="hamo harness")
+harness_api.add_middleware(GuardMiddleware)
 
 
 class RetrieveRequest(BaseModel):
@@ -36,11 +45,21 @@ class RetrieveRequest(BaseModel):
 class HarnessServer:
     """Embedder + a reader of the ``cards`` table."""
 
-    def __init__(self, memory_uri: str, table: str, embedding_model: str) -> None:
+    def __init__(
+        self,
+        memory_uri: str,
+        table: str,
+        embedding_model: str,
+        api_key: str | None = None,
+        max_request_bytes: int = 1_000_000,
+        max_stage: int | None = None,
+    ) -> None:
         from hamo_ray.logs import setup_logging
         from hamo_ray.memory.embed import Embedder
 
         setup_logging()
+        configure_guard(api_key, max_request_bytes)
+        self.max_stage = max_stage
         self.embedder = Embedder(embedding_model)
         self.memory_uri = memory_uri
         self.table = table
@@ -57,23 +76,54 @@ class HarnessServer:
     def health(self) -> dict:
         return {"status": "ok"}
 
-    @harness_api.post("/retrieve")
-    def retrieve(self, req: RetrieveRequest) -> dict:
+    def retrieve_cards(
+        self, goal: str, init_obs: str, k: int, max_stage: int | None = None
+    ) -> dict[str, Any]:
+        """Top-``k`` cards for (goal, init_obs): ``{"cards": [Card as JSON], "scores": [cosine]}``.
+
+        Raises:
+            ValueError: the memory's vector width differs from the embedding model's.
+        """
         from hamo_ray.memory.embed import key_text
 
+        if self.max_stage is not None:
+            max_stage = self.max_stage if max_stage is None else min(max_stage, self.max_stage)
         store = self._get_store()
         if store.count() == 0:
             return {"cards": [], "scores": []}
-        vector = self.embedder.embed([key_text(req.goal, req.init_obs)])
-        try:
-            hits = store.search(vector, k=req.k, max_stage=req.max_stage)[0]
-        except ValueError as exc:
-            raise HTTPException(status_code=400, detail=str(exc)) from exc
+        vector = self.embedder.embed([key_text(goal, init_obs)])
+        hits = store.search(vector, k=k, max_stage=max_stage)[0]
         return {"cards": [c.model_dump(mode="json") for c, _ in hits], "scores": [float(s) for _, s in hits]}
 
+    @harness_api.post("/retrieve")
+    def retrieve(self, req: RetrieveRequest) -> dict:
+        try:
+            return self.retrieve_cards(req.goal, req.init_obs, req.k, req.max_stage)
+        except ValueError as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from exc
 
-def build_harness_app(memory_uri: str, table: str, embedding_model: str, num_cpus: float = 0.25):
-    """The harness application, ready for ``serve.run(app, name=..., route_prefix=...)``."""
+
+def build_harness_app(
+    memory_uri: str,
+    table: str,
+    embedding_model: str,
+    num_cpus: float = 0.25,
+    *,
+    api_key: str | None = None,
+    max_request_bytes: int = 1_000_000,
+    max_stage: int | None = None,
+):
+    """The harness application, ready for ``serve.run(app, name=..., route_prefix=...)``.
+
+    Args:
+        memory_uri: the LanceDB folder or URI (a run's ``memory/``).
+        table: the cards table.
+        embedding_model: the model the cards were embedded with.
+        num_cpus: per replica.
+        api_key: bearer key required on its routes; None: open.
+        max_request_bytes: larger bodies get 413.
+        max_stage: cap on the stages retrieved from (None: all).
+    """
     return HarnessServer.options(ray_actor_options={"num_cpus": num_cpus}).bind(
-        memory_uri, table, embedding_model
+        memory_uri, table, embedding_model, api_key, max_request_bytes, max_stage
     )

@@ -12,9 +12,16 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 409: "conflict_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+}
 
 
 class APIError(Exception):
@@ -71,11 +78,46 @@ class _SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
 
+class HamoInjection(BaseModel):
+    """The ``hamo`` field of a chat request: build the prompt in the training format, with retrieval.
+
+    The server retrieves the top-``k`` cards for (``goal``, ``init_obs``) from the run's memory and
+    builds the conversation with ``hamo_ray.prompting.build_messages`` (first user turn = instruction,
+    task, initial observation, injected experience; then the (action, observation) turns so far,
+    under the run's context rule), exactly as training and the stream's evaluations do. The
+    request's ``messages`` must then be empty.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    goal: str = Field(min_length=1, max_length=20_000)
+    init_obs: str = Field(default="", max_length=100_000)
+    k: int | None = Field(default=None, ge=0, le=50, description="cards to inject; None: the run's top_k")
+    max_stage: int | None = Field(default=None, description="only cards of stages <= max_stage")
+    actions: list[str] = Field(default_factory=list, max_length=10_000)
+    observations: list[str] = Field(default_factory=list, max_length=10_000)
+
+    @model_validator(mode="after")
+    def _same_length(self) -> HamoInjection:
+        if len(self.actions) != len(self.observations):
+            raise ValueError(f"{len(self.actions)} actions but {len(self.observations)} observations")
+        return self
+
+
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(default_factory=list)
+    hamo: HamoInjection | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _messages_or_hamo(self) -> ChatCompletionRequest:
+        if self.hamo is None and not self.messages:
+            raise ValueError("messages must hold at least one message (or pass a `hamo` field)")
+        if self.hamo is not None and self.messages:
+            raise ValueError("with a `hamo` field the server builds the messages: send messages=[]")
+        return self
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -9,6 +9,10 @@ must agree token for token, as on CPU (tests/ray/test_serving.py).
 
 from __future__ import annotations
 
+import asyncio
+import socket
+
+import httpx
 import openai
 import pytest
 
@@ -18,7 +22,15 @@ from hamo_ray.serving import publish_adapter, shutdown_policy_server, start_poli
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = ["Your task is to focus on the animal. This room is called the kitchen.", "open door to hallway"]
 MAX_TOKENS = 20
-SERVE = ServeConfig(max_num_seqs=16, gpu_memory_utilization=0.3, port=8011, app_name="hamo-gpu-test")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SERVE = ServeConfig(max_num_seqs=64, gpu_memory_utilization=0.3, port=_free_port(), app_name="hamo-gpu-test")
 MODEL = ModelConfig(name="base", max_model_len=512, dtype="float32")
 
 
@@ -97,3 +109,40 @@ def test_greedy_equals_transformers_peft_on_cuda(client, weights, served, folder
 
 def _strip(tokens: list[int], eos: int) -> list[int]:
     return tokens[: tokens.index(eos)] if eos in tokens else tokens
+
+
+def test_load_is_batched_on_cuda(client):
+    """200 concurrent chats through Serve all succeed; vLLM's running-requests gauge exceeds 1."""
+    url = str(client.base_url).rstrip("/").removesuffix("/v1")
+
+    async def run() -> tuple[list, float]:
+        aclient = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=300)
+        peak, done = 0.0, False
+
+        async def watch() -> None:
+            nonlocal peak
+            async with httpx.AsyncClient(timeout=30) as http:
+                while not done:
+                    text = (await http.get(f"{url}/metrics")).text
+                    for line in text.splitlines():
+                        if line.startswith("vllm:num_requests_running"):
+                            peak = max(peak, float(line.rsplit(" ", 1)[1]))
+                    await asyncio.sleep(0.02)
+
+        async def one(i: int):
+            messages = [{"role": "user", "content": f"{PROMPTS[i % 2]} {i}"}]
+            return await aclient.chat.completions.create(
+                model=("base", "s1", "s2")[i % 3], messages=messages, max_tokens=32
+            )
+
+        watcher = asyncio.create_task(watch())
+        try:
+            results = await asyncio.gather(*(one(i) for i in range(200)))
+        finally:
+            done = True
+            await watcher
+            await aclient.close()
+        return results, peak
+
+    results, peak = asyncio.run(run())
+    assert len(results) == 200 and peak > 1

@@ -240,3 +240,71 @@ def test_greedy_equals_transformers_peft(client, published, weights, served, fol
         assert got == expected, f"{served} on {prompt!r}"
         lengths.append(len(got))
     assert max(lengths) > 0  # the comparison covered generated tokens, not only empty answers
+
+
+def _running(metrics_text: str) -> float:
+    """The value of vLLM's ``vllm:num_requests_running`` gauge in a Prometheus text page."""
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics_text.splitlines()
+        if line.startswith("vllm:num_requests_running")
+    ]
+    assert values, "vllm:num_requests_running is not exported"
+    return max(values)
+
+
+def test_load_200_concurrent_chats_are_batched(server, published):
+    """200 concurrent chat requests all succeed, and vLLM ran more than one at a time."""
+    import asyncio
+
+    async def run() -> tuple[list, float]:
+        aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="EMPTY", max_retries=0, timeout=300)
+        peak, done = 0.0, False
+
+        async def watch() -> None:
+            nonlocal peak
+            async with httpx.AsyncClient(timeout=30) as http:
+                while not done:
+                    peak = max(peak, _running((await http.get(f"{server}/metrics")).text))
+                    await asyncio.sleep(0.05)
+
+        async def one(i: int):
+            model = ("base", "s1", "s2")[i % 3]
+            content = f"{PROMPTS[i % len(PROMPTS)]} step {i}"
+            return await aclient.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": content}], temperature=0.7, max_tokens=8
+            )
+
+        watcher = asyncio.create_task(watch())
+        try:
+            results = await asyncio.gather(*(one(i) for i in range(200)))
+        finally:
+            done = True
+            await watcher
+            await aclient.close()
+        return results, peak
+
+    results, peak = asyncio.run(run())
+    assert len(results) == 200
+    assert all(r.choices[0].finish_reason in ("stop", "length") for r in results)
+    assert peak > 1, f"vLLM never ran more than {peak} request at a time"
+
+
+def test_limits_and_injection_without_harness(client, server):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(
+            model="base", messages=[{"role": "user", "content": "x"}], max_tokens=SERVE.max_tokens_limit + 1
+        )
+    big = b'{"model": "base", "messages": [{"role": "user", "content": "' + b"x" * 1_100_000 + b'"}]}'
+    r = httpx.post(f"{server}/v1/chat/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(f"{server}/nope").status_code == 404
+    hamo = {"goal": "focus on the animal", "init_obs": "kitchen", "k": 0}
+    r = client.chat.completions.create(model="base", messages=[], max_tokens=4, extra_body={"hamo": hamo})
+    assert r.model_extra["hamo"]["cards"] == [] and "Task: focus on the animal" in str(r.model_extra["hamo"])
+    with pytest.raises(openai.BadRequestError, match="no harness"):
+        client.chat.completions.create(model="base", messages=[], extra_body={"hamo": {**hamo, "k": 2}})
+    with pytest.raises(openai.BadRequestError):  # messages and hamo together
+        client.chat.completions.create(
+            model="base", messages=[{"role": "user", "content": "x"}], extra_body={"hamo": hamo}
+        )

@@ -39,6 +39,8 @@ class WebShopDomain(Domain):
             catalogue smaller than 50 products.
     """
 
+    env_memory_mb = 50  # resource hint per environment (measured well below this)
+
     def __init__(self, cfg: EnvConfig) -> None:
         super().__init__(cfg)
         if cfg.webshop_backend == "http" and not cfg.webshop_url:

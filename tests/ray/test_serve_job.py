@@ -1,0 +1,253 @@
+"""``jobs/serve.py`` as a real subprocess over a small run folder, driven by the official ``openai`` client.
+
+The run folder is built here: a random tiny backbone, ``adapters/stage-1`` committed in
+``state.json``, a LanceDB memory of a few cards (random unit vectors of the embedding width: the
+retrieval is real, its ranking arbitrary). The job starts its own local Ray with an API key; the
+tests check the models listed, chat and streaming, 401/404/413/400 answers, the harness route, the
+``hamo`` injection (the prompt equals ``prompting.first_user_message`` of the cards returned), and
+that a stage committed while the job runs becomes servable without a restart.
+
+    pytest tests/ray/test_serve_job.py -x -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from hamo_ray.config import PromptConfig
+from hamo_ray.prompting import first_user_message
+from hamo_ray.types import Card
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "test-key-123"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _adapter(base: Path, path: Path, seed: int) -> None:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
+    get_peft_model(model, config).save_pretrained(path)
+
+
+def _stage(stage: int) -> dict:
+    return {
+        "stage": stage,
+        "method": "hamo",
+        "num_trajectories": 2,
+        "num_cards": 2,
+        "budget": 1,
+        "anchors": [],
+        "replay": [],
+        "adapter": f"adapters/stage-{stage}",
+        "adapter_name": f"stage-{stage}",
+        "train_loss": 0.5,
+        "scores": {"scienceworld": 10.0},
+        "seconds": {},
+    }
+
+
+def _cards(memory: Path) -> None:
+    import numpy as np
+
+    from hamo_ray.memory.store import MemoryStore
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(4):
+        vector = rng.normal(size=384).astype("float32")
+        card = Card(
+            id=f"c{i}",
+            trajectory_id=f"t{i}",
+            domain="scienceworld",
+            task="find-living-thing",
+            variation=i,
+            stage=1 + i % 2,
+            goal=f"Your task is to find a living thing number {i}.",
+            init_obs="This room is called the kitchen.",
+            outline=f"open door to hallway; go to hallway; focus on animal {i}",
+            score=100.0,
+        )
+        rows.append({**card.model_dump(), "vector": (vector / np.linalg.norm(vector)).tolist()})
+    MemoryStore(str(memory), "cards").add(rows)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    from hamo_ray.training.tiny_lm import make_random_backbone
+
+    root = tmp_path_factory.mktemp("serve_job")
+    base = make_random_backbone(root / "base")
+    run = root / "run"
+    _adapter(base, run / "adapters" / "stage-1", seed=1)
+    _adapter(base, root / "later" / "stage-2", seed=2)
+    _cards(run / "memory")
+    config = {
+        "model": {"path": str(base), "name": "base", "max_model_len": 512},
+        "serve": {
+            "port": _free_port(),
+            "app_name": "hamo-serve-job-test",
+            "max_num_seqs": 8,
+            "num_cpus": 1,
+            "poll_interval_s": 1.0,
+            "max_request_bytes": 100_000,
+            "max_tokens_limit": 64,
+        },
+        "ray": {"num_cpus": 4},
+    }
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    (run / "state.json").write_text(json.dumps({"stages": [_stage(1)], "timings": {}}))
+    return run
+
+
+@pytest.fixture(scope="module")
+def job(run_dir):
+    """The running job: ``{"url", "proc", "log"}``; stopped with SIGINT at the end (it must exit 0)."""
+    port = yaml.safe_load((run_dir / "config.yaml").read_text())["serve"]["port"]
+    log = open(run_dir.parent / "serve.log", "w")  # noqa: SIM115 (closed at teardown)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["HAMO_API_KEY"] = KEY
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "jobs" / "serve.py"), "--run", str(run_dir)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=str(ROOT),
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 420
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"jobs/serve.py exited {proc.returncode}: {_tail(run_dir)}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"jobs/serve.py not ready: {_tail(run_dir)}")
+            if "serving run" in (run_dir.parent / "serve.log").read_text():
+                break
+            time.sleep(2)
+        yield {"url": url, "proc": proc}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        log.close()
+    assert code == 0, _tail(run_dir)
+
+
+def _tail(run_dir: Path) -> str:
+    return (run_dir.parent / "serve.log").read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(job):
+    return openai.OpenAI(base_url=f"{job['url']}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_models_chat_and_stream(client):
+    assert [m.id for m in client.models.list().data] == ["base", "stage-1"]
+    messages = [{"role": "user", "content": "open door to hallway"}]
+    full = client.chat.completions.create(model="stage-1", messages=messages, temperature=0, max_tokens=8)
+    assert full.model == "stage-1" and full.usage.completion_tokens <= 8
+    chunks = list(
+        client.chat.completions.create(
+            model="stage-1", messages=messages, temperature=0, max_tokens=8, stream=True
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    text = client.completions.create(model="base", prompt="open door", max_tokens=4, stream=True)
+    assert sum(1 for _ in text) >= 1
+
+
+def test_errors(client, job):
+    url = job["url"]
+    for key in ("wrong", ""):
+        bad = openai.OpenAI(base_url=f"{url}/v1", api_key=key or "x", max_retries=0, timeout=30)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+    assert httpx.get(f"{url}/health").status_code == 401
+    assert httpx.post(f"{url}/harness/retrieve", json={"goal": "x"}).status_code == 401
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="stage-9", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(
+            model="base", messages=[{"role": "user", "content": "x"}], max_tokens=65
+        )
+    headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    big = json.dumps({"model": "base", "messages": [{"role": "user", "content": "x" * 200_000}]})
+    r = httpx.post(f"{url}/v1/chat/completions", content=big, headers=headers)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"{oops", headers=headers)
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(
+        f"{url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "../base"}, headers=headers
+    )
+    assert r.status_code == 400
+
+
+def test_harness_and_injection(client, job):
+    r = httpx.post(
+        f"{job['url']}/harness/retrieve",
+        json={"goal": "find a living thing", "init_obs": "kitchen", "k": 2},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    assert r.status_code == 200 and len(r.json()["cards"]) == 2
+    goal, obs = "Your task is to find a living thing.", "This room is called the kitchen."
+    hamo = {"goal": goal, "init_obs": obs, "k": 2}
+    r = client.chat.completions.create(
+        model="stage-1", messages=[], temperature=0, max_tokens=8, extra_body={"hamo": hamo}
+    )
+    injected = r.model_extra["hamo"]
+    cards = [Card.model_validate(c) for c in injected["cards"]]
+    assert len(cards) == 2
+    first = injected["messages"][0]["content"]
+    assert first == first_user_message(goal, obs, cards, PromptConfig())
+    assert cards[0].outline in first
+    plain = client.chat.completions.create(
+        model="stage-1", messages=injected["messages"], temperature=0, max_tokens=8
+    )
+    assert plain.choices[0].message.content == r.choices[0].message.content
+    assert plain.usage.prompt_tokens == r.usage.prompt_tokens
+    later = {**hamo, "k": 0, "actions": ["look around"], "observations": ["You see a cat."]}
+    r = client.chat.completions.create(model="base", messages=[], max_tokens=4, extra_body={"hamo": later})
+    assert [m["role"] for m in r.model_extra["hamo"]["messages"]] == ["user", "assistant", "user"]
+
+
+def test_stage_committed_while_serving_becomes_usable(client, run_dir):
+    import shutil
+
+    shutil.copytree(run_dir.parent / "later" / "stage-2", run_dir / "adapters" / "stage-2")
+    state = {"stages": [_stage(1), _stage(2)], "timings": {}}
+    (run_dir / "state.json").write_text(json.dumps(state))
+    deadline = time.monotonic() + 90
+    while "stage-2" not in {m.id for m in client.models.list().data}:
+        assert time.monotonic() < deadline, "stage-2 not published"
+        time.sleep(1)
+    r = client.chat.completions.create(
+        model="stage-2", messages=[{"role": "user", "content": "open door"}], max_tokens=4
+    )
+    assert r.model == "stage-2"

@@ -1,0 +1,63 @@
+"""A tiny sweep (4 methods x 2 seeds x 2 stages) run as the README says: aggregated table and plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(1500)
+def test_tiny_sweep_aggregates(tmp_path):
+    sweep = {
+        "base": str(ROOT / "jobs" / "configs" / "tiny.yaml"),
+        "root": str(tmp_path / "sweep"),
+        "overrides": [
+            "protocol.eval_initial=true",
+            "protocol.train_per_task=2",
+            "protocol.test_per_task=1",
+            "env.max_turns=3",
+            "backbone.per_task=4",
+            "backbone.epochs=1",
+            f"backbone.cache_dir={tmp_path / 'backbones'}",
+            "train.epochs=1",
+            "rollout.num_workers=1",
+            "serve.port=18473",
+            "serve.app_name=hamo-sweep-test",
+            "ray.num_cpus=4",
+        ],
+        "grid": {"method": ["base", "harness", "model_only", "hamo"], "seed": [0, 1]},
+    }
+    f = tmp_path / "sweep.yaml"
+    f.write_text(yaml.safe_dump(sweep))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd = [sys.executable, str(ROOT / "jobs" / "sweep.py"), "--config", str(f)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    results = tmp_path / "sweep" / "results"
+    summary = json.loads((results / "summary.json").read_text())
+    (setting,) = summary
+    assert set(summary[setting]) == {"base", "harness", "model_only", "hamo"}
+    for method, row in summary[setting].items():
+        assert row["seeds"] == 2, method
+        assert row["average"]["n"] == 2 and row["average"]["ci_low"] <= row["average"]["mean"] <= row["average"]["ci_high"]
+        assert len(row["stage_scores"]["scienceworld"]) == 2
+        assert len(row["retention"]) == 3  # stage 0 (initial evaluation), 1, 2
+    table = (results / "table.md").read_text()
+    assert all(f"| {m} |" in table for m in ("base", "harness", "model_only", "hamo"))
+    pngs = sorted(p.name for p in results.glob("*.png"))
+    assert pngs == ["setting0-bars.png", "setting0-retention.png", "setting0-stagewise.png"]
+    assert all((results / p).stat().st_size > 5000 for p in pngs)
+    report = (tmp_path / "sweep" / "report.md").read_text()
+    assert "setting0-stagewise.png" in report
+    # A second submission finds every cell finished and only aggregates again.
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert again.returncode == 0 and "8 finished" in (again.stdout + again.stderr)
