@@ -140,9 +140,7 @@ class EnvConfig(_Cfg):
     textworld_games_dir: str | None = None  # generated TextWorld games; default ~/.cache/hamo_ray/textworld
     # ALFWorld: official games (ALFWORLD_DATA layout, json_2.1.1/...); default $ALFWORLD_DATA, else ~/.cache/alfworld
     alfworld_data: str | None = None
-    alfworld_games_dir: str | None = (
-        None  # generated ALFWorld games (no official data); default ~/.cache/hamo_ray/alfworld
-    )
+    alfworld_games_dir: str | None = None  # generated ALFWorld games; default ~/.cache/hamo_ray/alfworld
     alfworld_seed: int = 0  # generator seed of the generated ALFWorld games
     alfworld_games_per_task: int = 200  # generated ALFWorld games per task type and split
 

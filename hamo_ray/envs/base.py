@@ -54,6 +54,7 @@ class Domain:
 
     name: str = ""
     env_memory_mb: int = 200  # resource hint: memory of one environment (rollout actors reserve it)
+    thread_safe: bool = True  # False: an actor steps its environments one call at a time
 
     def __init__(self, cfg: EnvConfig) -> None:
         self.cfg = cfg

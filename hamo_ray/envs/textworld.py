@@ -253,6 +253,9 @@ class TextWorldDomain(Domain):
     """Four TextWorld challenges at fixed small difficulties; variations are seeds."""
 
     env_memory_mb = 100  # resource hint per environment (measured well below this)
+    # The package's game-logic parser (tatsu) and engine state are process-global: concurrent resets and
+    # steps in threads of one process corrupt each other ("pop from empty list", parser MemoKey errors).
+    thread_safe = False
 
     def task_types(self) -> list[str]:
         return list(CHALLENGES)

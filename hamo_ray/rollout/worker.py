@@ -41,7 +41,10 @@ class EnvWorker:
         self.n_envs = n_envs
         self._free: list = []  # idle environments, created on demand
         self._made = 0
-        self._executor = ThreadPoolExecutor(max_workers=n_envs + 2, thread_name_prefix="env")
+        # Environment calls block, so they run in threads; a domain whose environments share
+        # process-global state gets one thread (its episodes still overlap their policy requests).
+        threads = n_envs + 2 if self.domain.thread_safe else 1
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env")
         self._slots = asyncio.Semaphore(n_envs)
 
     async def _call(self, fn, *args):

@@ -1,0 +1,294 @@
+"""The ALFWorld domain and environment: official games when present, generated ones otherwise.
+
+See the package docstring (``hamo_ray.envs.alfworld``) for usage, splits, timings and memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from hamo_ray.config import ConfigError, EnvConfig
+from hamo_ray.envs.alfworld.generate import SPLIT_DIRS, TASK_TYPES, game_dir_prefix
+from hamo_ray.envs.base import Domain, StepResult, register_domain
+from hamo_ray.types import TaskSpec
+
+logger = logging.getLogger(__name__)
+
+SPLITS = tuple(SPLIT_DIRS)
+_TASK_PREFIX = "Your task is to: "
+_BANNER = "-= Welcome to TextWorld, ALFRED! =-"
+_WARN_LOCK = threading.Lock()
+_WARNED: set[str] = set()
+
+
+def official_root(cfg: EnvConfig) -> Path:
+    """Where official games are looked for: ``env.alfworld_data``, else $ALFWORLD_DATA, else ~/.cache/alfworld."""
+    root = cfg.alfworld_data or os.environ.get("ALFWORLD_DATA") or "~/.cache/alfworld"
+    return Path(root).expanduser()
+
+
+def generated_root(cfg: EnvConfig) -> Path:
+    """Cache folder of the generated games (one subfolder per generator version and seed)."""
+    from hamo_ray.envs.alfworld.generate import GENERATOR_VERSION
+
+    base = Path(cfg.alfworld_games_dir or "~/.cache/hamo_ray/alfworld").expanduser()
+    return base / f"{GENERATOR_VERSION}-seed{cfg.alfworld_seed}"
+
+
+@functools.cache
+def official_games(root: Path, split: str, task_type: str) -> tuple[Path, ...]:
+    """Solvable official game files of one split and task type, sorted by path (the variation order).
+
+    Skips what ``AlfredTWEnv`` skips: movable-receptacle and sliced trials, trials without a
+    ``traj_data.json`` or ``game.tw-pddl``, and games not marked ``solvable``.
+    """
+    games = []
+    for game in sorted((root / "json_2.1.1" / SPLIT_DIRS[split]).glob(f"{task_type}-*/*/game.tw-pddl")):
+        if "movable" in str(game) or "Sliced" in str(game) or not (game.parent / "traj_data.json").exists():
+            continue
+        if json.loads(game.read_text()).get("solvable"):
+            games.append(game)
+    return tuple(games)
+
+
+def has_official_data(root: Path) -> bool:
+    train = root / "json_2.1.1" / "train"
+    return train.is_dir() and next(train.glob("*/*/game.tw-pddl"), None) is not None
+
+
+def _warn_once(root: Path, fallback: Path) -> None:
+    with _WARN_LOCK:
+        if str(root) in _WARNED:
+            return
+        _WARNED.add(str(root))
+    logger.warning(
+        "alfworld: no official ALFWorld games under %s (set ALFWORLD_DATA or env.alfworld_data to the "
+        "folder `alfworld-download` fills); falling back to the generator of ALFRED-style games "
+        "(hamo_ray.envs.alfworld.generate), cached under %s",
+        root,
+        fallback,
+    )
+
+
+@functools.cache
+def _game_logic() -> tuple[str, str]:
+    """The package's PDDL domain and grammar (``alfworld/data/alfred.pddl`` and ``alfred.twl2``)."""
+    import alfworld
+
+    data = Path(alfworld.__file__).parent / "data"
+    return (data / "alfred.pddl").read_text(), (data / "alfred.twl2").read_text()
+
+
+class GameStore:
+    """Maps a ``TaskSpec`` to its game file: an official one, or a generated one (made on first use)."""
+
+    def __init__(self, cfg: EnvConfig) -> None:
+        self.cfg = cfg
+        self.root = official_root(cfg)
+        self.official = has_official_data(self.root)
+        self.generated = generated_root(cfg)
+
+    def report_source(self) -> None:
+        """Warn (once per process and data folder) when the official games are missing."""
+        if not self.official:
+            _warn_once(self.root, self.generated)
+
+    def count(self, split: str, task_type: str) -> int:
+        if self.official:
+            return len(official_games(self.root, split, task_type))
+        return self.cfg.alfworld_games_per_task
+
+    def game_file(self, split: str, task_type: str, variation: int) -> Path:
+        """The game file of a variation, generating (and caching) it if needed.
+
+        Raises:
+            ValueError: unknown split/task type, or a variation out of range.
+        """
+        if split not in SPLITS or task_type not in TASK_TYPES:
+            raise ValueError(f"alfworld: unknown split {split!r} or task type {task_type!r}")
+        total = self.count(split, task_type)
+        if not 0 <= variation < total:
+            raise ValueError(f"alfworld/{task_type}/{split}: variation {variation} outside 0..{total - 1}")
+        if self.official:
+            return official_games(self.root, split, task_type)[variation]
+        split_dir = self.generated / "json_2.1.1" / SPLIT_DIRS[split]
+        found = sorted(split_dir.glob(f"{game_dir_prefix(task_type, variation)}-*/trial_hamo/game.tw-pddl"))
+        if found:
+            return found[0]
+        from hamo_ray.envs.alfworld.generate import generate_game
+
+        domain, grammar = _game_logic()
+        seed = self.cfg.alfworld_seed
+        return generate_game(self.generated, domain, grammar, split, task_type, variation, seed)
+
+    def ensure(self, split: str, task_type: str, variations: range) -> None:
+        """Generate the missing games among ``variations`` (a no-op for official data), logging progress."""
+        if self.official:
+            return
+        start = time.monotonic()
+        for i, variation in enumerate(variations, 1):
+            split_dir = self.generated / "json_2.1.1" / SPLIT_DIRS[split]
+            if next(split_dir.glob(f"{game_dir_prefix(task_type, variation)}-*/trial_hamo"), None):
+                continue
+            self.game_file(split, task_type, variation)
+            logger.info(
+                "alfworld: generated %s game %d/%d of %s (%.0f s so far)",
+                split,
+                i,
+                len(variations),
+                task_type,
+                time.monotonic() - start,
+            )
+
+
+def _make_tw_env() -> Any:
+    """The official text-env stack of ``AlfredTWEnv`` / ``alfworld-generate``, without the expert wrapper."""
+    from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
+    from textworld import EnvInfos
+    from textworld.envs import PddlEnv
+
+    infos = EnvInfos(admissible_commands=True, won=True, extras=["gamefile"])
+    return AlfredInfos(AlfredDemangler(PddlEnv(infos), shuffle=False))
+
+
+class AlfWorldEnv:
+    """One ALFWorld text game at a time, through the official ``PddlEnv`` + ALFWorld wrappers.
+
+    Args:
+        cfg: ``max_turns`` (an episode is done, unwon, after this many steps) and the game sources
+            (``alfworld_data``, ``alfworld_games_dir``, ``alfworld_seed``, ``alfworld_games_per_task``).
+    """
+
+    def __init__(self, cfg: EnvConfig | None = None, store: GameStore | None = None) -> None:
+        self.cfg = cfg or EnvConfig(domain="alfworld")
+        self.store = store or GameStore(self.cfg)
+        self._env = _make_tw_env()
+        self._task: TaskSpec | None = None
+        self._game_file: Path | None = None
+        self._state: Any = None
+        self._walkthrough: list[str] | None = None
+        self._steps = 0
+        self._done = False
+        self._score = 0.0
+
+    @property
+    def task(self) -> TaskSpec | None:
+        return self._task
+
+    @property
+    def game_file(self) -> Path | None:
+        """The loaded game's ``game.tw-pddl``."""
+        return self._game_file
+
+    def reset(self, task: TaskSpec) -> tuple[str, str]:
+        """Load ``task``'s game (generating it on first use) and return (task text, room description).
+
+        Raises:
+            ValueError: unknown split or task type, or a variation out of range.
+        """
+        from hamo_ray.envs.alfworld.generate import keep_argv
+
+        game_file = self.store.game_file(task.split, task.task, task.variation)
+        with keep_argv():
+            if game_file != self._game_file:  # loading parses the game again (two PDDL->SAS translations)
+                self._env.load(str(game_file))
+            self._state = self._env.reset()
+        self._task, self._game_file = task, game_file
+        self._walkthrough = json.loads(game_file.read_text()).get("walkthrough")
+        self._steps, self._done, self._score = 0, False, 0.0
+        intro = self._state["feedback"].replace(_BANNER, "").strip()
+        room, _, goal = intro.partition(_TASK_PREFIX)
+        return goal.strip(), room.strip()
+
+    def step(self, action: str) -> StepResult:
+        """Apply ``action``; a command that is not admissible gets the game's own "Nothing happens."."""
+        if self._task is None:
+            raise RuntimeError("AlfWorldEnv.step() before reset()")
+        self._state, _, _ = self._env.step(str(action))
+        observation = self._state["feedback"]
+        if self._done:
+            return StepResult(observation, 0.0, True, self._score)
+        self._steps += 1
+        score = 100.0 if self._state["won"] else 0.0
+        reward, self._score = score - self._score, score
+        self._done = bool(self._state["won"]) or self._steps >= self.cfg.max_turns
+        return StepResult(observation, reward, self._done, score)
+
+    def expert_actions(self) -> list[str]:
+        """The game's expert walkthrough (the handcoded expert's winning commands).
+
+        Generated games and ``alfworld-generate``d ones store it; otherwise the handcoded expert is
+        played on the loaded game once (seeded by the task id) and its commands are kept.
+        """
+        if self._task is None or self._game_file is None:
+            raise RuntimeError("AlfWorldEnv.expert_actions() before reset()")
+        if self._walkthrough is None:
+            from hamo_ray.envs.alfworld.generate import _sub_seed, play_expert
+
+            plan = play_expert(str(self._game_file), "handcoded", seed=_sub_seed(self._task.id))
+            if plan is None:
+                plan = play_expert(str(self._game_file), "planner") or []
+            self._walkthrough = plan
+        return list(self._walkthrough)
+
+    def valid_actions(self) -> list[str]:
+        """The admissible commands now (the engine computes them on every step anyway)."""
+        if self._state is None:
+            raise RuntimeError("AlfWorldEnv.valid_actions() before reset()")
+        return list(self._state["admissible_commands"])
+
+    def close(self) -> None:
+        self._env.close()
+
+    def __enter__(self) -> AlfWorldEnv:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@register_domain("alfworld")
+class AlfWorldDomain(Domain):
+    """ALFWorld's six task types; official games (``ALFWORLD_DATA``) or generated ones.
+
+    Splits: ``train`` = ``json_2.1.1/train``, ``dev`` = ``valid_seen``, ``test`` = ``valid_unseen``.
+    """
+
+    def __init__(self, cfg: EnvConfig) -> None:
+        super().__init__(cfg)
+        self._store: GameStore | None = None
+
+    @property
+    def store(self) -> GameStore:
+        if self._store is None:
+            self._store = GameStore(self.cfg)
+        return self._store
+
+    def task_types(self) -> list[str]:
+        return list(TASK_TYPES)
+
+    def tasks(self, split: str, task_type: str, limit: int | None = None) -> list[TaskSpec]:
+        """Games of ``task_type`` in ``split`` in variation order; generated ones are made on first use.
+
+        Raises:
+            ConfigError: unknown split or task type.
+        """
+        if split not in SPLITS:
+            raise ConfigError(f"unknown alfworld split {split!r}; known: {', '.join(SPLITS)}")
+        self.check_task_types([task_type])
+        self.store.report_source()
+        variations = range(self.store.count(split, task_type))
+        if limit is not None:
+            variations = variations[:limit]
+        self.store.ensure(split, task_type, variations)
+        return [TaskSpec(domain=self.name, task=task_type, variation=v, split=split) for v in variations]
+
+    def make_env(self) -> AlfWorldEnv:
+        return AlfWorldEnv(self.cfg, self.store)
