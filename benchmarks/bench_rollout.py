@@ -28,15 +28,11 @@ from hamo_ray.prompting import build_messages, clean_action  # noqa: E402
 from hamo_ray.rollout.policy import PolicySpec  # noqa: E402
 
 
-def tokens_of(tokenizer, trajs) -> int:
-    return sum(len(tokenizer(a)["input_ids"]) + 1 for t in trajs for a in t.actions)
-
-
 def sequential(domain, tasks, spec: PolicySpec, pcfg: PromptConfig, max_turns: int):
     import httpx
 
     env = domain.make_env()
-    steps, actions = 0, []
+    steps, actions, tokens = 0, [], 0
     with httpx.Client(timeout=120) as http:
         for task in tasks:
             goal, obs0 = env.reset(task)
@@ -49,6 +45,7 @@ def sequential(domain, tasks, spec: PolicySpec, pcfg: PromptConfig, max_turns: i
                     "max_tokens": spec.max_tokens,
                 }
                 reply = http.post(f"{spec.base_url}/v1/chat/completions", json=body).json()
+                tokens += reply["usage"]["completion_tokens"]
                 action = clean_action(reply["choices"][0]["message"]["content"] or "")
                 step = env.step(action)
                 acts.append(action)
@@ -58,7 +55,7 @@ def sequential(domain, tasks, spec: PolicySpec, pcfg: PromptConfig, max_turns: i
                     break
             actions.append(acts)
     env.close()
-    return steps, actions
+    return steps, tokens
 
 
 async def saturate(spec: PolicySpec, messages: list[list[dict]], concurrency: int, seconds: float) -> float:
@@ -101,14 +98,12 @@ def main() -> int:
     args = parser.parse_args()
 
     import ray
-    from transformers import AutoTokenizer
 
     from hamo_ray.rollout.pool import EnvPool
     from hamo_ray.serving import shutdown_policy_server, start_policy_server
     from hamo_ray.training.tiny_lm import make_random_backbone
 
     model = args.model or str(make_random_backbone(Path("/tmp/hamo-bench-rollout/model")))
-    tokenizer = AutoTokenizer.from_pretrained(model)
     env_cfg = EnvConfig(domain=args.domain, task_types=[args.task_type], max_turns=args.turns)
     pcfg = PromptConfig()
     domain = get_domain(args.domain, env_cfg)
@@ -140,12 +135,11 @@ def main() -> int:
             wall = time.perf_counter() - start
             pool.shutdown()
             steps = sum(t.num_turns for t in trajs)
-            toks = tokens_of(tokenizer, trajs)
+            toks = sum(t.policy_tokens for t in trajs)
             seq_tasks = tasks[: min(len(tasks), 8)]
             start = time.perf_counter()
-            seq_steps, seq_actions = sequential(domain, seq_tasks, spec, pcfg, args.turns)
+            seq_steps, seq_toks = sequential(domain, seq_tasks, spec, pcfg, args.turns)
             seq_wall = time.perf_counter() - start
-            seq_toks = sum(len(tokenizer(a)["input_ids"]) + 1 for acts in seq_actions for a in acts)
             prompts = [
                 build_messages(t.goal, t.init_obs, [], t.actions[:k], t.observations[:k], pcfg)
                 for t in trajs
@@ -161,7 +155,7 @@ def main() -> int:
     finally:
         shutdown_policy_server(serve_cfg)
     print()
-    print(f"rollout throughput, {args.domain}/{args.task_type}, {args.turns} turns, random-init tiny policy")
+    print(f"rollout throughput, {args.domain}/{args.task_type}, {args.turns} turns, policy {model}")
     print(
         "| conc | pool steps/s | pool tok/s | seq steps/s | seq tok/s | pool/seq | server saturated tok/s | efficiency |"
     )
@@ -189,6 +183,7 @@ def memory_table() -> None:
         "kids=sum(c.memory_info().rss for c in p.children(recursive=True))\n"
         "print((p.memory_info().rss-before+kids)/2**20)\n"
     )
+    print("marginal memory of one more environment (RSS after imports and task setup) and how many fit")
     print("| domain | MiB per environment | environments in 24 GiB |")
     print("|---|---:|---:|")
     for domain, task in [

@@ -46,6 +46,7 @@ class Trajectory(_Frozen):
     source: str = "policy"  # "expert" (gold actions) or "policy" (the served model)
     model: str | None = None  # the served model name that acted, for policy episodes
     cards_used: list[str] = Field(default_factory=list)  # ids of the injected experience cards
+    policy_tokens: int = 0  # completion tokens the policy generated in this episode
     error: str | None = None
 
     @model_validator(mode="after")

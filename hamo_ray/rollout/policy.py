@@ -34,8 +34,8 @@ class PolicyClient:
         self.spec = spec
         self._http = httpx.AsyncClient(timeout=spec.timeout_s, limits=httpx.Limits(max_connections=256))
 
-    async def act(self, messages: list[dict[str, str]], seed: int | None = None) -> str:
-        """The model's reply to ``messages`` (the raw text; the caller cleans it into an action)."""
+    async def act(self, messages: list[dict[str, str]], seed: int | None = None) -> tuple[str, int]:
+        """The model's reply to ``messages`` (raw text; the caller cleans it) and its completion tokens."""
         body = {
             "model": self.spec.model,
             "messages": messages,
@@ -47,7 +47,9 @@ class PolicyClient:
         resp = await self._http.post(f"{self.spec.base_url}/v1/chat/completions", json=body)
         if resp.status_code != 200:
             raise RuntimeError(f"policy endpoint answered {resp.status_code}: {resp.text[:300]}")
-        return resp.json()["choices"][0]["message"]["content"] or ""
+        data = resp.json()
+        tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
+        return data["choices"][0]["message"]["content"] or "", tokens
 
     async def retrieve(self, goal: str, init_obs: str) -> list[Card]:
         """Top-k experience cards for (goal, initial observation) from the harness."""

@@ -118,9 +118,11 @@ class EnvWorker:
                 source="expert",
             )
         cards = await client.retrieve(goal, init_obs)
+        tokens = 0
         for turn in range(self.env_cfg.max_turns):
             messages = build_messages(goal, init_obs, cards, actions, observations, self.prompt_cfg)
-            reply = await client.act(messages, seed=_turn_seed(client.spec.seed, task, turn))
+            reply, used = await client.act(messages, seed=_turn_seed(client.spec.seed, task, turn))
+            tokens += used
             action = clean_action(reply)
             step = await self._call(env.step, action)
             actions.append(action)
@@ -139,6 +141,7 @@ class EnvWorker:
             source="policy",
             model=client.spec.model,
             cards_used=[c.id for c in cards],
+            policy_tokens=tokens,
         )
 
     def close(self) -> None:

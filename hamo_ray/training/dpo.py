@@ -176,6 +176,7 @@ def train_dpo(
         "seed": seed,
         "threads": max(1, (os.cpu_count() or 1) // workers),
         "bf16": tcfg.use_gpu,
+        "gradient_checkpointing": tcfg.gradient_checkpointing,
         "lora_r": tcfg.lora_r,
         "lora_alpha": tcfg.lora_alpha,
         "lora_dropout": tcfg.lora_dropout,
