@@ -47,7 +47,7 @@ Usage::
   (textworld, fast-downward, tatsu), then ~2-5 MB per further env with its game loaded (11 envs with
   11 games loaded: 133 MB RSS); each env loads its own copy of fast-downward's shared library
   (``fast_downward.load_lib`` copies it), so envs in one process do not share planner state and can
-  step in parallel threads.
+  step in parallel threads (the textworld parser underneath cannot: see ``AlfWorldDomain.thread_safe``).
 - **Pitfalls** handled here: fast-downward's ``pddl2sas`` overwrites ``sys.argv`` on every load/reset
   (restored by ``generate.keep_argv``); the handcoded expert draws from the global ``random`` (seeded
   and restored around expert runs); ``import alfworld`` creates ``~/.cache/alfworld`` and sets

@@ -261,6 +261,11 @@ class AlfWorldDomain(Domain):
     Splits: ``train`` = ``json_2.1.1/train``, ``dev`` = ``valid_seen``, ``test`` = ``valid_unseen``.
     """
 
+    env_memory_mb = 60  # resource hint: ~50 MB for the first env of a process, a few MB per further one
+    # TextWorld's game-logic parser (tatsu) underneath is process-global: concurrent resets/steps in
+    # threads of one process corrupt each other ("pop from empty list"), so an actor steps one at a time.
+    thread_safe = False
+
     def __init__(self, cfg: EnvConfig) -> None:
         super().__init__(cfg)
         self._store: GameStore | None = None
