@@ -215,10 +215,9 @@ class MemoryConfig(_Cfg):
     embed_actors: int = 1  # Embedder actors in the pipeline
     # Index switch: exact (flat) search below this many rows; an ANN index (IVF_PQ, cosine) above it.
     index_threshold: int = 50_000
-    index_nprobes: int = 32  # IVF partitions probed per query
-    index_refine_factor: int = 10  # re-rank refine_factor * k candidates by exact distance
-    # METHOD.md step 6: mark (never delete) cards of anchors trained at least this well; search skips them.
-    release: bool = False
+    index_nprobes: int = 16  # IVF partitions (~4,096 rows each) probed per query
+    index_refine_factor: int = 30  # re-rank refine_factor * k candidates by exact distance
+    # METHOD.md step 6 (method.release): cards of anchors trained at least this well are marked released.
     release_min_score: float = 100.0
 
     @model_validator(mode="after")

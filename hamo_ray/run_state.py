@@ -121,7 +121,7 @@ class RunFolder:
     def store(self, cfg: HamoConfig):
         from hamo_ray.memory.store import MemoryStore
 
-        return MemoryStore(self.memory_uri, cfg.memory.table)
+        return MemoryStore.from_config(self.memory_uri, cfg.memory)
 
     def save_trajectories(self, stage: int, trajs: list[Trajectory]) -> None:
         _write_jsonl(self.path / "trajectories" / f"stage-{stage}.jsonl", trajs)

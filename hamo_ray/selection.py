@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -47,10 +48,17 @@ class SelectionResult:
     n_hits: list[int]
 
 
-def leave_one_out_neighbours(embeddings: np.ndarray, k: int = 3, batch_size: int = 4096) -> np.ndarray:
-    """Top-``k`` most similar *other* rows for every row, by cosine similarity.
+EXACT_MAX_ROWS = 8192  # up to this many cards: one numpy pass; above: symmetric torch blocks
 
-    Computed in row batches so memory stays ``O(batch_size * n)``.
+
+def leave_one_out_neighbours(embeddings: np.ndarray, k: int = 3, batch_size: int = 2048) -> np.ndarray:
+    """Top-``k`` most similar *other* rows for every row, by cosine similarity (exact).
+
+    Up to ``EXACT_MAX_ROWS`` rows: numpy row blocks. Above: :func:`_blocked_topk`, which computes
+    each block pair of the symmetric similarity matrix once, keeps a running top-(k+1) per row
+    (``topk`` only on rows that a block can improve), and re-checks rows whose k-th similarity
+    ties the next one. Either way the result is the exact
+    top-k with ties resolved to the smaller index; memory stays ``O(batch_size * n)``.
 
     Args:
         embeddings: ``(n, d)`` array.
@@ -68,31 +76,134 @@ def leave_one_out_neighbours(embeddings: np.ndarray, k: int = 3, batch_size: int
     if k <= 0:
         return np.zeros((n, 0), dtype=np.int64)
     norms = np.linalg.norm(x, axis=1, keepdims=True)
-    x = x / np.maximum(norms, 1e-12)
-    out = np.empty((n, k), dtype=np.int64)
-    for start in range(0, n, batch_size):
-        stop = min(start + batch_size, n)
-        sims = x[start:stop] @ x.T
-        sims[np.arange(stop - start), np.arange(start, stop)] = -np.inf
-        # Stable ordering: sort by (-similarity, index) so ties resolve to the smaller index.
+    x = np.ascontiguousarray(x / np.maximum(norms, 1e-12))
+    if n > EXACT_MAX_ROWS and k < n - 1:
+        return _blocked_topk(x, k, batch_size)
+    return _exact_rows(x, np.arange(n), k, batch_size)
+
+
+def _exact_rows(x: np.ndarray, rows: np.ndarray, k: int, batch_size: int) -> np.ndarray:
+    """Exact top-k other rows of ``x`` for the given row indices (stable tie-break by index)."""
+    n = x.shape[0]
+    out = np.empty((len(rows), k), dtype=np.int64)
+    for start in range(0, len(rows), batch_size):
+        idx = rows[start : start + batch_size]
+        sims = x[idx] @ x.T
+        sims[np.arange(len(idx)), idx] = -np.inf
         cand = (
             np.argpartition(-sims, k - 1, axis=1)[:, :k]
             if k < n - 1
             else np.argsort(-sims, axis=1, kind="stable")[:, :k]
         )
         cand_sims = np.take_along_axis(sims, cand, axis=1)
+        # A candidate set cut inside a run of equal similarities may hold a larger index than an
+        # excluded one: such rows are redone with a full stable sort.
+        kth = cand_sims.min(axis=1, keepdims=True)
+        tied = ((sims == kth).sum(axis=1) > (cand_sims == kth).sum(axis=1)).nonzero()[0]
+        for r in tied:
+            cand[r] = np.lexsort((np.arange(n), -sims[r]))[:k]
+            cand_sims[r] = sims[r, cand[r]]
         order = np.lexsort((cand, -cand_sims), axis=1)
-        out[start:stop] = np.take_along_axis(cand, order, axis=1)
+        out[start : start + len(idx)] = np.take_along_axis(cand, order, axis=1)
+    return out
+
+
+def _merge_topk(best_s: Any, best_i: Any, new_s: Any, new_i: Any, m: int, torch: Any) -> tuple[Any, Any]:
+    """Keep the ``m`` best (similarity desc, index asc) of two candidate lists per row."""
+    s = torch.cat([best_s, new_s], dim=1)
+    i = torch.cat([best_i, new_i], dim=1)
+    # Sort by index first, then stably by similarity: equal similarities stay in index order.
+    by_idx = torch.argsort(i, dim=1, stable=True)
+    s, i = torch.gather(s, 1, by_idx), torch.gather(i, 1, by_idx)
+    by_sim = torch.argsort(s, dim=1, descending=True, stable=True)[:, :m]
+    return torch.gather(s, 1, by_sim), torch.gather(i, 1, by_sim)
+
+
+def _update_topk(best_s: Any, best_i: Any, rows: Any, sims: Any, offset: int, torch: Any, dim: int) -> None:
+    """Fold a similarity block into the running top-m of ``rows`` (in place).
+
+    ``rows`` index ``sims`` along ``dim`` (0: rows of the block, 1: its columns). Rows without m
+    entries yet take the block's ``topk``. For the others only entries at least their current m-th
+    best can enter: they are few once the running top-m is good, so they are found with one
+    comparison and merged by a sort of those entries alone.
+    """
+    m = best_s.shape[1]
+    block = sims if dim == 0 else sims.T
+    fresh = torch.isinf(best_s[rows, m - 1])
+    if bool(fresh.any()):
+        need = fresh.nonzero().flatten()
+        s, i = torch.topk(block[need].contiguous(), min(m, block.shape[1]), dim=1)
+        target = rows[need]
+        best_s[target], best_i[target] = _merge_topk(best_s[target], best_i[target], s, i + offset, m, torch)
+        if bool(fresh.all()):
+            return
+    thr = best_s[rows, m - 1]
+    if dim == 0:
+        r, c = (sims >= thr.unsqueeze(1)).nonzero(as_tuple=True)
+    else:  # compare in memory order, then swap the coordinates
+        c, r = (sims >= thr.unsqueeze(0)).nonzero(as_tuple=True)
+    keep = ~fresh[r]
+    r, c = r[keep], c[keep]
+    if r.numel() == 0:
+        return
+    grow, vals, idx = rows[r], block[r, c], c + offset
+    touched = torch.unique(grow)
+    all_r = torch.cat([touched.repeat_interleave(m), grow])
+    all_s = torch.cat([best_s[touched].flatten(), vals])
+    all_i = torch.cat([best_i[touched].flatten(), idx])
+    # Order by (row, similarity desc, index asc) with successive stable sorts, keep m per row.
+    order = torch.argsort(all_i, stable=True)
+    order = order[torch.argsort(all_s[order], descending=True, stable=True)]
+    order = order[torch.argsort(all_r[order], stable=True)]
+    all_r, all_s, all_i = all_r[order], all_s[order], all_i[order]
+    first = torch.searchsorted(all_r, all_r, side="left")
+    pos = torch.arange(len(all_r)) - first
+    top = pos < m
+    best_s[all_r[top], pos[top]] = all_s[top]
+    best_i[all_r[top], pos[top]] = all_i[top]
+
+
+def _blocked_topk(x: np.ndarray, k: int, batch_size: int) -> np.ndarray:
+    """Exact leave-one-out top-k over symmetric blocks with torch (matmul + filtered topk).
+
+    Each pair of row blocks is multiplied once and serves both blocks' rows (half the flops).
+    """
+    import torch
+
+    n, m = x.shape[0], k + 1
+    t = torch.from_numpy(x)
+    best_s = torch.full((n, m), -float("inf"))
+    best_i = torch.full((n, m), n, dtype=torch.int64)  # index n: "none yet", sorts after any real one
+    starts = list(range(0, n, batch_size))
+    for bi, a in enumerate(starts):
+        a_end = min(a + batch_size, n)
+        rows_a = torch.arange(a, a_end)
+        for b in starts[bi:]:  # the diagonal block first: it gives rows of ``a`` a tight threshold
+            b_end = min(b + batch_size, n)
+            sims = t[a:a_end] @ t[b:b_end].T
+            if a == b:
+                sims.fill_diagonal_(-float("inf"))
+            _update_topk(best_s, best_i, rows_a, sims, b, torch, dim=0)
+            if a != b:
+                _update_topk(best_s, best_i, torch.arange(b, b_end), sims, a, torch, dim=1)
+    out = best_i[:, :k].numpy().copy()
+    # topk may cut a run of equal similarities anywhere: when the k-th and (k+1)-th kept values are
+    # equal, a smaller tied index may have been dropped; those rows are recomputed exactly.
+    tied = (best_s[:, k - 1] == best_s[:, k]).nonzero().flatten().numpy()
+    if len(tied):
+        out[tied] = _exact_rows(x, tied, k, batch_size)
     return out
 
 
 def reverse_neighbours(neighbours: np.ndarray, n: int) -> list[np.ndarray]:
-    """``R_j = {i | j in N(i)}`` for every card ``j`` (sorted query indices)."""
-    buckets: list[list[int]] = [[] for _ in range(n)]
-    for i, row in enumerate(neighbours):
-        for j in row:
-            buckets[int(j)].append(i)
-    return [np.array(sorted(set(b)), dtype=np.int64) for b in buckets]
+    """``R_j = {i | j in N(i)}`` for every card ``j`` (sorted, distinct query indices)."""
+    nb = np.asarray(neighbours, dtype=np.int64)
+    queries = np.repeat(np.arange(nb.shape[0], dtype=np.int64), nb.shape[1])
+    targets = nb.ravel()
+    pairs = np.unique(targets * max(n, 1) + queries)  # sorted by (target, query), duplicates gone
+    targets, queries = pairs // max(n, 1), pairs % max(n, 1)
+    bounds = np.searchsorted(targets, np.arange(n + 1))
+    return [queries[bounds[j] : bounds[j + 1]] for j in range(n)]
 
 
 def lazy_greedy_coverage(sets: list[np.ndarray], universe: int) -> tuple[list[int], list[int]]:
@@ -149,13 +260,16 @@ def knee_point(curve: list[float] | np.ndarray) -> int:
     return best + 1
 
 
-def coverage_select(embeddings: np.ndarray, k: int = 3, min_budget: int = 1) -> SelectionResult:
+def coverage_select(
+    embeddings: np.ndarray, k: int = 3, min_budget: int = 1, batch_size: int = 2048
+) -> SelectionResult:
     """Select compact, complementary anchors by retrieval coverage (METHOD.md step 2).
 
     Args:
         embeddings: ``(n, d)`` card embeddings of one stage.
         k: leave-one-out neighbours per card (3 in the paper).
         min_budget: never select fewer anchors than this (capped at ``n``).
+        batch_size: rows per similarity block (memory ``O(batch_size * n)``).
 
     Returns:
         A ``SelectionResult``; ``order`` holds ``budget`` card indices.
@@ -169,7 +283,7 @@ def coverage_select(embeddings: np.ndarray, k: int = 3, min_budget: int = 1) -> 
     n = x.shape[0]
     if n == 0:
         return SelectionResult([], [], [], 0, [], [], [])
-    neighbours = leave_one_out_neighbours(x, k)
+    neighbours = leave_one_out_neighbours(x, k, batch_size)
     sets = reverse_neighbours(neighbours, n)
     picks, gains = lazy_greedy_coverage(sets, n)
     curve = np.cumsum(gains).astype(int).tolist()

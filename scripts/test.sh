@@ -4,5 +4,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_DEDUP_LOGS=0
-export HAMO_CACHE_DIR=${HAMO_CACHE_DIR:-$HOME/.cache/hamo_ray}
+# DeepSpeed compiles its C++ ops on first use (minutes): keep them in a cache that outlives the run.
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/hamo_ray/torch_extensions}
 python -m pytest "$@"

@@ -14,16 +14,29 @@ from hamo_ray.memory.distill import (
     outline_from_trajectory,
     register_distiller,
 )
+from hamo_ray.memory.distill_llm import LLMDistiller
 from hamo_ray.memory.embed import Embedder, key_text
-from hamo_ray.memory.pipeline import build_cards_dataset, distil_batch, retrieve, write_cards
+from hamo_ray.memory.pipeline import (
+    Rejection,
+    WriteReport,
+    build_cards_dataset,
+    distil_batch,
+    release_internalised,
+    retrieve,
+    write_cards,
+    write_cards_report,
+)
 from hamo_ray.memory.schema import card_schema, to_card_table
 from hamo_ray.memory.store import MemoryStore
 
 __all__ = [
     "Distiller",
     "Embedder",
+    "LLMDistiller",
     "MemoryStore",
     "OutlineDistiller",
+    "Rejection",
+    "WriteReport",
     "build_cards_dataset",
     "card_from_trajectory",
     "card_schema",
@@ -32,7 +45,9 @@ __all__ = [
     "key_text",
     "outline_from_trajectory",
     "register_distiller",
+    "release_internalised",
     "retrieve",
     "to_card_table",
     "write_cards",
+    "write_cards_report",
 ]

@@ -4,8 +4,8 @@ A distiller turns a trajectory's action sequence into a short, strategy-level *s
 (METHOD.md: ``z_i``). The offline default is :class:`OutlineDistiller` ("outline"), a deterministic
 rule set: navigation chains become ``navigate to X``, non-progress actions (``look around``,
 ``inventory``) are dropped, repeats and repeated blocks are collapsed, and the steps are numbered,
-keeping the concrete object names so that a tiny model can copy them. An LLM distiller plugs in
-later through :func:`register_distiller`.
+keeping the concrete object names so that a tiny model can copy them. The LLM distiller ("llm",
+``hamo_ray.memory.distill_llm``) asks any OpenAI-compatible endpoint and falls back to this one.
 
 Run it on one trajectory::
 
@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from hamo_ray.types import Card, Trajectory, card_id
+
+if TYPE_CHECKING:
+    from hamo_ray.config import MemoryConfig
 
 MAX_STEPS = 12  # outline steps kept; a final "..." marks a longer solution
 MAX_BLOCK = 6  # longest repeated block (in steps) that is collapsed into one "repeat" step
@@ -40,11 +43,14 @@ class Distiller(Protocol):
     def distill(self, trajectories: Sequence[Trajectory]) -> list[str]: ...
 
 
-_DISTILLERS: dict[str, Callable[[], Distiller]] = {}
+_DISTILLERS: dict[str, Callable[..., Distiller]] = {}
 
 
-def register_distiller(name: str) -> Callable[[Callable[[], Distiller]], Callable[[], Distiller]]:
-    """Register a distiller factory (a class or a function without arguments) under ``name``.
+def register_distiller(name: str) -> Callable[[Callable[..., Distiller]], Callable[..., Distiller]]:
+    """Register a distiller factory (a class or a function) under ``name``.
+
+    A factory with a ``from_config(mcfg)`` class method is built from the memory config by
+    :func:`get_distiller`; otherwise it is called without arguments.
 
     Args:
         name: the name that ``MemoryConfig.distiller`` uses.
@@ -56,7 +62,7 @@ def register_distiller(name: str) -> Callable[[Callable[[], Distiller]], Callabl
         ValueError: ``name`` is already registered.
     """
 
-    def deco(factory: Callable[[], Distiller]) -> Callable[[], Distiller]:
+    def deco(factory: Callable[..., Distiller]) -> Callable[..., Distiller]:
         if name in _DISTILLERS:
             raise ValueError(f"distiller {name!r} is already registered")
         _DISTILLERS[name] = factory
@@ -65,11 +71,12 @@ def register_distiller(name: str) -> Callable[[Callable[[], Distiller]], Callabl
     return deco
 
 
-def get_distiller(name: str) -> Distiller:
+def get_distiller(name: str, mcfg: MemoryConfig | None = None) -> Distiller:
     """Build the distiller registered under ``name``.
 
     Args:
-        name: a registered distiller name, e.g. "outline".
+        name: a registered distiller name, e.g. "outline" or "llm".
+        mcfg: memory settings, passed to the factory's ``from_config`` when it has one.
 
     Returns:
         A new distiller instance.
@@ -79,7 +86,11 @@ def get_distiller(name: str) -> Distiller:
     """
     if name not in _DISTILLERS:
         raise KeyError(f"unknown distiller {name!r}; known: {sorted(_DISTILLERS)}")
-    return _DISTILLERS[name]()
+    factory = _DISTILLERS[name]
+    from_config = getattr(factory, "from_config", None)
+    if from_config is not None and mcfg is not None:
+        return from_config(mcfg)
+    return factory()
 
 
 def _clean(action: str) -> str:

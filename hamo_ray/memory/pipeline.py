@@ -2,25 +2,34 @@
 
 Stage step 2 (DESIGN.md: distil)::
 
-    trajectories -> from_items -> map_batches(distil) -> map_batches(Embedder, one actor) -> rows
-    rows -> iter_batches on the driver -> MemoryStore.add (the single writer)
+    trajectories (minus those already stored) -> from_items -> map_batches(distil, bounded task pool)
+        -> map_batches(Embedder, actor pool) -> rows
+    rows -> iter_batches on the driver -> MemoryStore.add (the single writer) -> ensure_index
 
 Run it inside a Ray session (the driver owns the store)::
 
-    ds = build_cards_dataset(trajectories, stage=1, mcfg=cfg.memory)
-    added = write_cards(ds, MemoryStore(uri, dim=384))
+    ds = build_cards_dataset(trajectories, stage=1, mcfg=cfg.memory, store=store)
+    report = write_cards_report(ds, store)      # added, rejected rows with reasons, fallbacks
     hits = retrieve(store, Embedder(), goal, init_obs, k=2)
+
+Bad input is rejected row by row, never fatal: a row that is not UTF-8, not JSON, misses a field
+of ``Trajectory`` or has no action is reported as a :class:`Rejection` (input row, trajectory id
+when known, reason) and is not written. Each write is one LanceDB transaction; a failing write
+raises and leaves the rows already in the table as they were.
 
 Ray is imported only when a function here runs.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,7 +38,7 @@ from hamo_ray.memory.distill import card_from_trajectory, get_distiller
 from hamo_ray.memory.embed import Embedder, key_text
 from hamo_ray.memory.schema import CARD_FIELDS
 from hamo_ray.memory.store import MemoryStore
-from hamo_ray.types import Card, Trajectory
+from hamo_ray.types import Card, Trajectory, card_id
 
 if TYPE_CHECKING:
     import ray.data
@@ -37,60 +46,162 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _COLUMN_TYPES = {"variation": np.int64, "stage": np.int64, "score": np.float64}
+TrajectoryInput = Trajectory | dict | str | bytes  # objects, or raw JSON (e.g. lines of a file)
 
 
-def distil_batch(batch: dict[str, np.ndarray], stage: int, distiller: str) -> dict[str, np.ndarray]:
-    """Ray Data UDF: trajectory JSON strings -> card columns (every ``Card`` field).
+@dataclass(frozen=True)
+class Rejection:
+    """An input row the pipeline did not turn into a card."""
+
+    row: int  # index in the input sequence
+    trajectory_id: str | None  # when the row parsed far enough to tell
+    reason: str
+
+
+@dataclass
+class WriteReport:
+    """What :func:`write_cards_report` did with a card dataset."""
+
+    added: int = 0  # new cards written
+    seen: int = 0  # valid cards offered to the store (already stored ones are skipped there)
+    rejected: list[Rejection] = field(default_factory=list)
+    sources: dict[str, int] = field(default_factory=dict)  # outline source -> count ("llm", "fallback", ...)
+    indexed: bool = False  # whether the table has an ANN index after the write
+
+    @property
+    def fallbacks(self) -> int:
+        return self.sources.get("fallback", 0)
+
+
+def _parse(raw: Any) -> tuple[Trajectory | None, str | None, str]:
+    """(trajectory, id, "") for a valid row, else (None, id or None, reason)."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes | bytearray) else str(raw)
+    except UnicodeDecodeError as exc:
+        return None, None, f"not UTF-8: {exc.reason} at byte {exc.start}"
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return None, None, f"not JSON: {exc.msg}"
+    tid = None
+    if isinstance(data, dict) and isinstance(data.get("task"), dict):
+        task = data["task"]
+        tid = f"{task.get('domain')}/{task.get('task')}/{task.get('split', 'train')}/{task.get('variation')}"
+        tid += f"/{data.get('source', 'policy')}"
+    try:
+        traj = Trajectory.model_validate(data)
+    except ValueError as exc:
+        errors = getattr(exc, "errors", lambda: [])()
+        missing = [".".join(map(str, e["loc"])) for e in errors if e.get("type") == "missing"]
+        reason = f"missing fields {missing}" if missing else f"invalid: {str(exc).splitlines()[-1].strip()}"
+        return None, tid, reason
+    if not traj.actions:
+        return None, traj.id, "empty action list"
+    return traj, traj.id, ""
+
+
+def distil_batch(batch: dict[str, np.ndarray], stage: int, distiller: str, mcfg: MemoryConfig | None = None):
+    """Ray Data UDF: raw trajectory rows -> card columns, plus ``reject_reason`` and ``outline_source``.
 
     Args:
-        batch: a numpy batch with a ``trajectory`` column of ``Trajectory`` JSON strings.
+        batch: a numpy batch with ``row`` (input index) and ``trajectory`` (UTF-8 JSON bytes) columns.
         stage: the stage the cards belong to.
         distiller: a registered distiller name.
+        mcfg: memory settings for distillers built from config (the LLM distiller).
 
     Returns:
-        A numpy batch with one column per ``Card`` field.
+        A numpy batch with one column per ``Card`` field, ``row``, ``reject_reason`` ("" for a valid
+        row) and ``outline_source`` (who wrote the outline). Rejected rows carry empty card fields.
     """
-    trajectories = [Trajectory.model_validate_json(text) for text in batch["trajectory"]]
-    outlines = get_distiller(distiller).distill(trajectories)
-    cards = [card_from_trajectory(t, stage, o) for t, o in zip(trajectories, outlines, strict=True)]
-    return {
-        name: np.array([getattr(c, name) for c in cards], dtype=_COLUMN_TYPES.get(name, object))
-        for name in CARD_FIELDS
+    parsed = [_parse(raw) for raw in batch["trajectory"]]
+    valid = [t for t, _, _ in parsed if t is not None]
+    engine = get_distiller(distiller, mcfg)
+    if hasattr(engine, "distill_with_sources"):
+        outlines, sources = engine.distill_with_sources(valid)
+    else:
+        outlines, sources = engine.distill(valid), [distiller] * len(valid)
+    if hasattr(engine, "close"):
+        engine.close()
+    done = iter(zip(outlines, sources, strict=True))
+    rows: list[dict[str, Any]] = []
+    for traj, tid, reason in parsed:
+        if traj is None:
+            empty = Card(
+                id="", trajectory_id=tid or "", domain="", task="", variation=0, stage=stage,
+                goal="", init_obs="", outline="", score=0.0,
+            )  # fmt: skip
+            rows.append({**empty.model_dump(), "reject_reason": reason, "outline_source": ""})
+            continue
+        outline, source = next(done)
+        card = card_from_trajectory(traj, stage, outline)
+        rows.append({**card.model_dump(), "reject_reason": "", "outline_source": source})
+    out = {
+        name: np.array([r[name] for r in rows], dtype=_COLUMN_TYPES.get(name, object))
+        for name in (*CARD_FIELDS, "reject_reason", "outline_source")
     }
+    out["row"] = np.asarray(batch["row"], dtype=np.int64)
+    return out
+
+
+def _encode(item: TrajectoryInput) -> bytes:
+    if isinstance(item, bytes | bytearray):
+        return bytes(item)
+    if isinstance(item, Trajectory):
+        text = json.dumps(item.model_dump(mode="json"), ensure_ascii=False)
+    elif isinstance(item, dict):
+        text = json.dumps(item, ensure_ascii=False, default=str)
+    else:
+        text = str(item)
+    # Lone surrogates (undecodable bytes smuggled into str) become invalid UTF-8: rejected later.
+    return text.encode("utf-8", errors="surrogateescape")
 
 
 def build_cards_dataset(
-    trajectories: Sequence[Trajectory], stage: int, mcfg: MemoryConfig
+    trajectories: Sequence[TrajectoryInput],
+    stage: int,
+    mcfg: MemoryConfig,
+    *,
+    store: MemoryStore | None = None,
 ) -> ray.data.Dataset:
     """The lazy Ray Data pipeline from trajectories to card rows with their ``vector``.
 
     Args:
-        trajectories: this stage's trajectories.
+        trajectories: this stage's trajectories, as objects or raw JSON (str, bytes or dicts).
         stage: the stage number stored in each card.
-        mcfg: memory settings (distiller, embedding model, batch size).
+        mcfg: memory settings (distiller, embedding model, batch size, LLM settings).
+        store: when given, trajectories whose card is already stored are skipped before distilling
+            (a re-run of a stage costs no distillation).
 
     Returns:
-        A dataset of rows holding every ``Card`` field plus ``vector`` (float32, unit norm).
-        Nothing runs until it is consumed (e.g. by :func:`write_cards`).
+        A dataset of rows holding every ``Card`` field, ``vector`` (float32, unit norm), ``row``,
+        ``reject_reason`` and ``outline_source``. Nothing runs until it is consumed (e.g. by
+        :func:`write_cards_report`).
     """
     import ray.data
 
-    # Items are JSON strings: one string column avoids Arrow type inference on nested, partly
-    # empty or null fields (e.g. ``cards_used=[]`` in one block and a list of strings in another).
-    items = [{"trajectory": t.model_dump_json()} for t in trajectories]
+    items = [{"row": i, "trajectory": _encode(t)} for i, t in enumerate(trajectories)]
+    if store is not None:
+        known = {i: card_id(t.id) for i, t in enumerate(trajectories) if isinstance(t, Trajectory)}
+        stored = store.existing_ids(list(known.values()))
+        if stored:
+            items = [it for it in items if known.get(it["row"]) not in stored]
+            logger.info("distil: %d of %d trajectories already in memory, skipped", len(stored), len(known))
+    if not items:  # e.g. a re-run of a stored stage: no distiller, no embedding model to load
+        return ray.data.from_items([])
     blocks = max(1, math.ceil(len(items) / mcfg.batch_size))
     ds = ray.data.from_items(items, override_num_blocks=blocks)
     ds = ds.map_batches(
         distil_batch,
-        fn_kwargs={"stage": stage, "distiller": mcfg.distiller},
+        fn_kwargs={"stage": stage, "distiller": mcfg.distiller, "mcfg": mcfg},
         batch_size=mcfg.batch_size,
         batch_format="numpy",
+        compute=ray.data.TaskPoolStrategy(size=mcfg.distil_tasks),
         udf_modifying_row_count=False,
     )
     ds = ds.map_batches(
         Embedder,
         fn_constructor_kwargs={"model_name": mcfg.embedding_model, "batch_size": mcfg.batch_size},
-        compute=ray.data.ActorPoolStrategy(size=1),
+        compute=ray.data.ActorPoolStrategy(size=mcfg.embed_actors),
         batch_size=mcfg.batch_size,
         batch_format="numpy",
         udf_modifying_row_count=False,
@@ -100,25 +211,67 @@ def build_cards_dataset(
     return ds
 
 
-def write_cards(ds: ray.data.Dataset, store: MemoryStore, batch_size: int = 256) -> int:
-    """Stream a card dataset into the store from the driver (the single writer).
+def write_cards_report(ds: ray.data.Dataset, store: MemoryStore, batch_size: int = 256) -> WriteReport:
+    """Stream a card dataset into the store from the driver (the single writer), then index.
 
     Args:
         ds: a dataset from :func:`build_cards_dataset`.
-        store: the memory to add to; cards already there are skipped.
-        batch_size: rows per write.
+        store: the memory to add to; cards already there are skipped; past its index threshold the
+            ANN index is built (or updated) after the last write.
+        batch_size: rows per write (one transaction each).
 
     Returns:
-        How many cards were added.
+        A :class:`WriteReport`: cards added, rejected rows with their reasons, outline sources.
     """
-    start, added, seen = time.perf_counter(), 0, 0
+    start, report, sources = time.perf_counter(), WriteReport(), Counter()
     for batch in ds.iter_batches(batch_size=batch_size, batch_format="numpy"):
-        added += store.add(batch)
-        seen += len(batch["id"])
+        reasons = batch.get("reject_reason")
+        ok = np.ones(len(batch["id"]), dtype=bool) if reasons is None else reasons == ""
+        if not ok.all():
+            for row, tid, reason in zip(batch["row"][~ok], batch["trajectory_id"][~ok], reasons[~ok]):
+                report.rejected.append(Rejection(int(row), str(tid) or None, str(reason)))
+        good = {name: column[ok] for name, column in batch.items()}
+        if "outline_source" in good:
+            sources.update(str(s) for s in good["outline_source"])
+        report.added += store.add(good)
+        report.seen += int(ok.sum())
+    report.sources = dict(sources)
+    report.indexed = store.ensure_index()
+    report.rejected.sort(key=lambda r: r.row)
+    if report.rejected:
+        reasons = Counter(r.reason.split(":")[0] for r in report.rejected)
+        logger.warning("memory: %d trajectories rejected (%s)", len(report.rejected), dict(reasons))
     logger.info(
-        "memory %s: %d of %d cards added in %.1f s", store.uri, added, seen, time.perf_counter() - start
+        "memory %s: %d of %d cards added in %.1f s (outlines: %s)",
+        store.uri,
+        report.added,
+        report.seen,
+        time.perf_counter() - start,
+        report.sources,
     )
-    return added
+    return report
+
+
+def write_cards(ds: ray.data.Dataset, store: MemoryStore, batch_size: int = 256) -> int:
+    """Like :func:`write_cards_report`, returning only how many cards were added."""
+    return write_cards_report(ds, store, batch_size).added
+
+
+def release_internalised(store: MemoryStore, trajectories: Sequence[Trajectory], mcfg: MemoryConfig) -> int:
+    """METHOD.md step 6: mark the cards of trained trajectories of high quality as released.
+
+    Called when ``method.release`` is on; released cards stay in the table, search skips them.
+
+    Args:
+        store: the memory (the writer's).
+        trajectories: the trajectories just trained on (anchors).
+        mcfg: its ``release_min_score`` threshold.
+
+    Returns:
+        How many cards were newly released.
+    """
+    ids = [card_id(t.id) for t in trajectories if t.score >= mcfg.release_min_score]
+    return store.release(ids)
 
 
 def retrieve(

@@ -1,6 +1,7 @@
 """The ``cards`` table schema and the validation of rows written to it.
 
-The schema is the ``Card`` type plus a fixed-size float32 ``vector`` column of the embedding width::
+The schema is the ``Card`` type, a ``released`` flag (METHOD.md step 6: a released card stays stored
+but retrieval skips it) and a fixed-size float32 ``vector`` column of the embedding width::
 
     schema = card_schema(384)
     table = to_card_table(rows, dim=384)   # raises ValueError on a missing column, a bad type or width
@@ -17,13 +18,14 @@ import pyarrow as pa
 from hamo_ray.types import Card
 
 CARD_FIELDS: tuple[str, ...] = tuple(Card.model_fields)
+RELEASED = "released"  # store-only column: True once the card was released (never deleted)
 _ARROW_TYPES = {str: pa.string(), int: pa.int64(), float: pa.float64()}
 
 Rows = Sequence[Mapping[str, Any]] | Mapping[str, Any] | pa.Table
 
 
 def card_schema(dim: int) -> pa.Schema:
-    """The LanceDB table schema: one column per ``Card`` field, then ``vector`` (float32 x dim).
+    """The LanceDB table schema: one column per ``Card`` field, ``released``, then ``vector`` (float32 x dim).
 
     Args:
         dim: the embedding width.
@@ -35,7 +37,9 @@ def card_schema(dim: int) -> pa.Schema:
         pa.field(name, _ARROW_TYPES[info.annotation], nullable=name != "id")
         for name, info in Card.model_fields.items()
     ]
-    return pa.schema([*fields, pa.field("vector", pa.list_(pa.float32(), dim))])
+    return pa.schema(
+        [*fields, pa.field(RELEASED, pa.bool_()), pa.field("vector", pa.list_(pa.float32(), dim))]
+    )
 
 
 def _as_columns(rows: Rows) -> dict[str, Any]:
@@ -102,6 +106,9 @@ def to_card_table(rows: Rows, dim: int | None = None) -> pa.Table:
     for field in schema:
         if field.name == "vector":
             arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(matrix.ravel(), pa.float32()), width))
+            continue
+        if field.name == RELEASED and RELEASED not in columns:
+            arrays.append(pa.array([False] * n, type=pa.bool_()))
             continue
         values = columns[field.name]
         values = values.to_pylist() if isinstance(values, pa.ChunkedArray | pa.Array) else list(values)

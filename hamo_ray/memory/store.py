@@ -1,13 +1,19 @@
 """The experience memory: a LanceDB table of cards and their key embeddings.
 
-The table schema is the ``Card`` type plus a fixed-size float32 ``vector`` column
-(``hamo_ray.memory.schema``). The store is append-only and idempotent on ``id``; searches are exact
-(flat scan, no approximate index) top-k by cosine similarity. ``uri`` is any LanceDB URI: a local
-folder (the embedded default), an object store (``s3://...``) or a LanceDB server::
+The table schema is the ``Card`` type, a ``released`` flag and a fixed-size float32 ``vector`` column
+(``hamo_ray.memory.schema``). The store is append-only and idempotent on ``id``. Search is top-k by
+cosine similarity: exact (flat scan) while the table holds fewer than ``index_threshold`` rows, and
+through an IVF_PQ index (``nprobes`` partitions, exact re-ranking of ``refine_factor * k``
+candidates) once :meth:`MemoryStore.ensure_index` has built it past the threshold. Released cards
+(METHOD.md step 6) stay stored and are skipped by search. ``uri`` is any LanceDB URI: a local folder
+(the embedded default), an object store (``s3://bucket/path``, credentials from the environment) or
+a LanceDB server. One process writes a table (the stream driver); any number read it::
 
-    store = MemoryStore("runs/x/memory", dim=384)
+    store = MemoryStore("runs/x/memory", dim=384, index_threshold=50_000)
     store.add(rows)                                        # dicts with Card fields + "vector"
+    store.ensure_index()                                   # the writer, after a stage's writes
     hits = store.search(query_vectors, k=2, exclude_ids=[{"own-card-id"}])
+    store.release(["card-id"])                             # marks; search skips it from now on
 
 Reads check for new table versions every time, so a reader in another process sees rows that a
 writer added after the reader opened the store.
@@ -16,19 +22,24 @@ writer added after the reader opened the store.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hamo_ray.memory.schema import CARD_FIELDS, Rows, as_matrix, card_schema, to_card_table
+from hamo_ray.memory.schema import CARD_FIELDS, RELEASED, Rows, as_matrix, card_schema, to_card_table
 from hamo_ray.types import Card
+
+if TYPE_CHECKING:
+    from hamo_ray.config import MemoryConfig
 
 logger = logging.getLogger(__name__)
 
 _QUERY_CHUNK = 256  # query vectors per LanceDB call; bounds the size of one result table
 _ID_CHUNK = 512  # ids per "id IN (...)" filter
+PARTITION_ROWS = 4096  # rows per IVF partition of the ANN index
 
 
 def _sql_list(values: Sequence[str]) -> str:
@@ -42,22 +53,54 @@ class MemoryStore:
         uri: a LanceDB URI (local folder, object store or server).
         table: the table name.
         dim: the vector width. With None, an existing table gives it, or the first ``add`` does.
+        index_threshold: rows from which :meth:`ensure_index` builds the ANN index.
+        nprobes: IVF partitions searched per query once indexed.
+        refine_factor: indexed search re-ranks ``refine_factor * k`` candidates by exact distance.
+        storage_options: object-store options for LanceDB (region, endpoint, credentials...).
 
     Raises:
         ValueError: ``dim`` disagrees with the existing table's vector width.
     """
 
-    def __init__(self, uri: str, table: str = "cards", dim: int | None = None) -> None:
+    def __init__(
+        self,
+        uri: str,
+        table: str = "cards",
+        dim: int | None = None,
+        *,
+        index_threshold: int = 50_000,
+        nprobes: int = 16,
+        refine_factor: int = 30,
+        storage_options: dict[str, str] | None = None,
+    ) -> None:
         import lancedb
 
         self.uri = str(uri)
         self.table_name = table
+        self.index_threshold = index_threshold
+        self.nprobes = nprobes
+        self.refine_factor = refine_factor
         # interval 0: every read checks for versions committed by other processes.
-        self._db = lancedb.connect(self.uri, read_consistency_interval=timedelta(0))
+        self._db = lancedb.connect(
+            self.uri, read_consistency_interval=timedelta(0), storage_options=storage_options or None
+        )
         self._table: Any = None
         self.dim = dim
         if self._open() is None and dim is not None:
             self._set_table(self._db.create_table(table, schema=card_schema(dim), exist_ok=True))
+
+    @classmethod
+    def from_config(cls, uri: str, mcfg: MemoryConfig, dim: int | None = None) -> MemoryStore:
+        """A store with the table name and index settings of ``mcfg``."""
+        return cls(
+            uri,
+            mcfg.table,
+            dim,
+            index_threshold=mcfg.index_threshold,
+            nprobes=mcfg.index_nprobes,
+            refine_factor=mcfg.index_refine_factor,
+            storage_options=dict(mcfg.storage_options),
+        )
 
     def _open(self) -> Any:
         """The LanceDB table, or None while it does not exist yet (another process may create it)."""
@@ -98,14 +141,97 @@ class MemoryStore:
         if self._open() is None:
             width = table.schema.field("vector").type.list_size
             self._set_table(self._db.create_table(self.table_name, schema=card_schema(width), exist_ok=True))
+        if not self._has_released():  # a table written before the released column existed
+            table = table.drop_columns([RELEASED])
         result = self._table.merge_insert("id").when_not_matched_insert_all().execute(table)
         logger.debug("memory %s: %d of %d rows added", self.uri, result.num_inserted_rows, table.num_rows)
         return int(result.num_inserted_rows)
 
-    def count(self) -> int:
-        """Number of cards stored."""
+    def count(self, include_released: bool = True) -> int:
+        """Number of cards stored (with ``include_released=False``: those search can return)."""
         table = self._open()
-        return 0 if table is None else table.count_rows()
+        if table is None:
+            return 0
+        if include_released or not self._has_released():
+            return table.count_rows()
+        return table.count_rows(f"{RELEASED} IS NOT TRUE")
+
+    def _has_released(self) -> bool:
+        return self._open() is not None and RELEASED in self._table.schema.names
+
+    def existing_ids(self, ids: Sequence[str]) -> set[str]:
+        """The subset of ``ids`` already stored (used to skip distilling them again)."""
+        table, found = self._open(), set()
+        unique = list(dict.fromkeys(ids))
+        for start in range(0, len(unique) if table is not None else 0, _ID_CHUNK):
+            where = f"id IN ({_sql_list(unique[start : start + _ID_CHUNK])})"
+            found.update(table.search().where(where).select(["id"]).limit(None).to_arrow()["id"].to_pylist())
+        return found
+
+    def release(self, ids: Sequence[str]) -> int:
+        """Mark cards as released (METHOD.md step 6): they stay stored, search skips them.
+
+        Args:
+            ids: card ids; unknown ids are ignored.
+
+        Returns:
+            How many cards were newly marked.
+        """
+        table = self._open()
+        if table is None or not ids:
+            return 0
+        if not self._has_released():
+            table.add_columns({RELEASED: "false"})
+            self._table = None
+            table = self._open()
+        marked = 0
+        unique = list(dict.fromkeys(ids))
+        for start in range(0, len(unique), _ID_CHUNK):
+            where = f"id IN ({_sql_list(unique[start : start + _ID_CHUNK])}) AND {RELEASED} IS NOT TRUE"
+            marked += int(table.update(where=where, values={RELEASED: True}).rows_updated)
+        logger.info("memory %s: %d cards released", self.uri, marked)
+        return marked
+
+    def indexed(self) -> bool:
+        """Whether the vector column has an ANN index."""
+        table = self._open()
+        return table is not None and any(i.columns == ["vector"] for i in table.list_indices())
+
+    def ensure_index(self, force: bool = False) -> bool:
+        """Build the IVF_PQ index once the table reaches ``index_threshold`` rows; update it later.
+
+        Only the writer calls this. Rows added after the build are searched exactly until the next
+        call folds them into the index (``optimize``).
+
+        Args:
+            force: build even below the threshold.
+
+        Returns:
+            Whether the table is indexed now.
+        """
+        from lancedb.index import IvfPq
+
+        table = self._open()
+        n = 0 if table is None else table.count_rows()
+        if table is None or (n < self.index_threshold and not force) or n < 256:
+            return self.indexed()
+        if self.indexed():
+            table.optimize()
+            return True
+        start = time.perf_counter()
+        sub_vectors = next(s for s in (48, 32, 24, 16, 12, 8, 4, 2, 1) if self.dim % s == 0)
+        # ~4,096 rows a partition: k-means stays cheap at 10^6 rows, and nprobes partitions scan a
+        # few percent of the table; the exact re-ranking (refine_factor) restores the recall of PQ.
+        config = IvfPq(
+            distance_type="cosine",
+            num_partitions=max(1, round(n / PARTITION_ROWS)),
+            num_sub_vectors=sub_vectors,
+        )
+        table.create_index("vector", config=config)
+        logger.info(
+            "memory %s: IVF_PQ index over %d rows in %.1f s", self.uri, n, time.perf_counter() - start
+        )
+        return True
 
     def cards(self, stage: int | None = None) -> list[Card]:
         """All cards, or those of one stage, ordered by (stage, trajectory id).
@@ -155,7 +281,9 @@ class MemoryStore:
         exclude_ids: Sequence[set[str]] | None = None,
         max_stage: int | None = None,
     ) -> list[list[tuple[Card, float]]]:
-        """Exact top-k cards by cosine similarity for each query vector.
+        """Top-k cards by cosine similarity for each query vector (released cards skipped).
+
+        Exact below the index threshold; through the ANN index (with exact re-ranking) above it.
 
         Args:
             query_vectors: ``(n, dim)`` (or one ``(dim,)``) query embeddings.
@@ -184,18 +312,25 @@ class MemoryStore:
             )
         excluded = [set(e) for e in exclude_ids] if exclude_ids is not None else [set() for _ in range(n)]
         limit = k + max(len(e) for e in excluded)
+        filters = [f"{RELEASED} IS NOT TRUE"] if self._has_released() else []
+        if max_stage is not None:
+            filters.append(f"stage <= {int(max_stage)}")
+        indexed = self.indexed()
         hits: list[list[tuple[Card, float]]] = [[] for _ in range(n)]
         for start in range(0, n, _QUERY_CHUNK):
             chunk = queries[start : start + _QUERY_CHUNK]
             query = (
                 table.search(chunk if len(chunk) > 1 else chunk[0], vector_column_name="vector")
                 .distance_type("cosine")
-                .bypass_vector_index()
                 .select([*CARD_FIELDS, "_distance"])
                 .limit(limit)
             )
-            if max_stage is not None:
-                query = query.where(f"stage <= {int(max_stage)}")
+            if indexed:
+                query = query.nprobes(self.nprobes).refine_factor(self.refine_factor)
+            else:
+                query = query.bypass_vector_index()
+            if filters:
+                query = query.where(" AND ".join(filters), prefilter=True)
             result = query.to_arrow()
             # LanceDB adds "query_index" only when it was given more than one query vector.
             qis = result["query_index"].to_pylist() if len(chunk) > 1 else [0] * result.num_rows

@@ -73,18 +73,20 @@ def padding_fraction(batches: list[list[Example]]) -> float:
     return 0.0 if total == 0 else 1.0 - real / total
 
 
-def length_bucketed_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+def length_bucketed_batches(
+    lengths: list[int], batch_size: int, seed: int, epoch: int, pool_batches: int = 50
+) -> list[list[int]]:
     """Shuffled batches of indices of similar length, so padding stays small.
 
-    Indices are shuffled, cut into pools of ``50 * batch_size``, sorted by length inside each pool,
-    cut into batches, and the batches shuffled again.
+    Indices are shuffled, cut into pools of ``pool_batches * batch_size``, sorted by length inside
+    each pool, cut into batches, and the batches shuffled again.
     """
     import random
 
     rng = random.Random(seed * 100_003 + epoch)
     idx = list(range(len(lengths)))
     rng.shuffle(idx)
-    pool = 50 * batch_size
+    pool = pool_batches * batch_size
     batches = []
     for start in range(0, len(idx), pool):
         chunk = sorted(idx[start : start + pool], key=lambda i: lengths[i])

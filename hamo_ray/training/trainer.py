@@ -1,7 +1,16 @@
 """Behavioural cloning on Ray Train: one LoRA adapter per stage (or the full backbone, once).
 
-``train_model`` runs a ``TorchTrainer`` (CPU workers with gloo/DDP here; GPU workers with NCCL on a
-cluster) over tokenised examples and writes the result in Hugging Face / peft format::
+``train_model`` runs a ``TorchTrainer`` over tokenised examples and writes the result in Hugging
+Face / peft format. One loop, two strategies (``TrainConfig.strategy``):
+
+- ``deepspeed`` (the default on GPU): DeepSpeed ZeRO-2, or ZeRO-3 with ``zero_stage=3``, bf16, the
+  DeepSpeed config generated from ``TrainConfig`` (``hamo_ray.training.deepspeed``); under ZeRO-3
+  the LoRA weights are gathered before saving. Also runs on CPU (gloo) as a smoke test.
+- ``ddp`` (the default on CPU): ``ray.train.torch.prepare_model`` (DDP over gloo or NCCL).
+
+Gradient checkpointing works with LoRA (the frozen embeddings get ``enable_input_require_grads``).
+Batches are length-bucketed (``training.examples``), so padding stays small. Multi-node: the
+workers are placed by ``ScalingConfig`` (``num_workers``, ``placement_strategy``)::
 
     result = train_model(base_path, examples, out_dir, tcfg, storage_path, init_adapter=prev)
     # out_dir now holds adapter_config.json + adapter_model.safetensors (peft format)
@@ -59,6 +68,12 @@ def _load_model(config: dict[str, Any]):
 
     dtype = torch.bfloat16 if config["bf16"] else torch.float32
     model = AutoModelForCausalLM.from_pretrained(config["base_path"], dtype=dtype, attn_implementation="sdpa")
+    if config["gradient_checkpointing"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        if config["lora"]:
+            # The frozen embeddings give no grad-requiring input to the checkpointed blocks otherwise.
+            model.enable_input_require_grads()
     if not config["lora"]:
         return model
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -92,23 +107,33 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
 
     model = _load_model(config)
-    model = ray.train.torch.prepare_model(model)
     device = ray.train.torch.get_device()
+    use_ds = config["strategy"] == "deepspeed"
     examples = config["examples"]
     lengths = [len(e["input_ids"]) for e in examples]
+    pool = config["bucket_pool"]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config["lr"], weight_decay=config["weight_decay"])
-    steps_per_epoch = math.ceil(len(length_bucketed_batches(lengths, config["batch_size"], 0, 0)) / world)
-    total = max(1, steps_per_epoch * config["epochs"])
+    steps_per_epoch = math.ceil(
+        len(length_bucketed_batches(lengths, config["batch_size"], 0, 0, pool)) / world
+    )
+    accum = config["grad_accum_steps"] if use_ds else 1
+    total = max(1, math.ceil(steps_per_epoch / accum) * config["epochs"])
     warmup = max(1, int(0.05 * total))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min((s + 1) / warmup, max(0.0, (total - s) / max(1, total - warmup)))
     )
+    if use_ds:
+        from hamo_ray.training.deepspeed import initialize_engine
+
+        model = initialize_engine(model.to(device), optimizer, config["ds_config"], scheduler)
+    else:
+        model = ray.train.torch.prepare_model(model)
     model.train()
     losses, tokens, padded, positions = [], 0, 0, 0
     start = time.time()
     for epoch in range(config["epochs"]):
-        batches = length_bucketed_batches(lengths, config["batch_size"], config["seed"], epoch)
+        batches = length_bucketed_batches(lengths, config["batch_size"], config["seed"], epoch, pool)
         # Every rank takes the same number of batches (DDP needs matched collectives).
         mine = batches[rank::world][:steps_per_epoch]
         while len(mine) < steps_per_epoch:
@@ -118,11 +143,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             ids, labels, mask = _collate([examples[i] for i in batch], config["pad_id"])
             ids, labels, mask = ids.to(device), labels.to(device), mask.to(device)
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            scheduler.step()
+            if use_ds:  # clipping, accumulation and the LR schedule are the engine's
+                model.backward(loss)
+                model.step()
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                scheduler.step()
             epoch_loss += float(loss.detach())
             tokens += int(mask.sum())
             positions += mask.numel()
@@ -137,10 +166,21 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         "seconds": time.time() - start,
         "padding": padded / max(1, positions),
     }
+    state = None
+    if use_ds:
+        from hamo_ray.training.deepspeed import trainable_state_dict
+
+        state = trainable_state_dict(model)  # collective: ZeRO-3 shards are gathered on every rank
     if rank == 0:
         with tempfile.TemporaryDirectory() as tmp:
             unwrapped = getattr(model, "module", model)
-            unwrapped.save_pretrained(tmp, safe_serialization=True)
+            if state is not None and config["lora"]:
+                unwrapped.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+            elif state is not None:
+                full = {k: v.float() for k, v in unwrapped.state_dict().items()}
+                unwrapped.save_pretrained(tmp, safe_serialization=True, state_dict={**full, **state})
+            else:
+                unwrapped.save_pretrained(tmp, safe_serialization=True)
             ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
     else:
         ray.train.report(metrics)
@@ -161,6 +201,7 @@ def train_model(
     batch_size: int | None = None,
     seed: int = 0,
     name: str = "train",
+    strategy: str | None = None,
 ) -> TrainResult:
     """Train on ``examples`` with Ray Train and write the weights to ``out_dir``.
 
@@ -176,6 +217,8 @@ def train_model(
         epochs, lr, batch_size: override ``tcfg``'s values.
         seed: shuffling and initialisation seed.
         name: the Ray Train run name.
+        strategy: "ddp" or "deepspeed"; default from ``tcfg.strategy`` ("auto": DeepSpeed on GPU,
+            DDP on CPU).
 
     Returns:
         A ``TrainResult`` with the output path and the loss per epoch.
@@ -188,6 +231,14 @@ def train_model(
 
     if not examples:
         raise ValueError("no training examples")
+    from hamo_ray.training.deepspeed import deepspeed_config, use_bf16
+
+    strategy = strategy or tcfg.strategy
+    if strategy == "auto":
+        strategy = "deepspeed" if tcfg.use_gpu else "ddp"
+    if strategy not in ("ddp", "deepspeed"):
+        raise ValueError(f"unknown training strategy {strategy!r}")
+    micro = batch_size if batch_size is not None else tcfg.batch_size
     threads = max(1, (os.cpu_count() or 1) // tcfg.num_workers)
     config = {
         "base_path": base_path,
@@ -199,11 +250,16 @@ def train_model(
         "target_modules": list(tcfg.target_modules),
         "epochs": epochs if epochs is not None else tcfg.epochs,
         "lr": lr if lr is not None else tcfg.lr,
-        "batch_size": batch_size if batch_size is not None else tcfg.batch_size,
+        "batch_size": micro,
         "weight_decay": tcfg.weight_decay,
         "seed": seed,
         "threads": threads if not tcfg.use_gpu else 4,
-        "bf16": tcfg.use_gpu,
+        "bf16": use_bf16(tcfg),
+        "gradient_checkpointing": tcfg.gradient_checkpointing,
+        "strategy": strategy,
+        "ds_config": deepspeed_config(tcfg, tcfg.num_workers, micro),
+        "grad_accum_steps": tcfg.grad_accum_steps,
+        "bucket_pool": tcfg.bucket_pool,
         "pad_id": pad_id,
         "examples": [{"input_ids": e.input_ids, "labels": e.labels} for e in examples],
     }
@@ -215,9 +271,11 @@ def train_model(
             num_workers=tcfg.num_workers,
             use_gpu=tcfg.use_gpu,
             resources_per_worker={"CPU": tcfg.cpus_per_worker},
+            placement_strategy=tcfg.placement_strategy,
         ),
         run_config=RunConfig(name=name, storage_path=str(Path(storage_path).resolve())),
     )
+    logger.info("train %s: %s on %d workers, %d examples", name, strategy, tcfg.num_workers, len(examples))
     result = trainer.fit()
     if result.checkpoint is None:
         raise RuntimeError(f"training run {name!r} finished without a checkpoint: {result.error}")

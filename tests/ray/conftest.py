@@ -13,7 +13,7 @@ def ray_session():
 
     if not ray.is_initialized():
         ray.init(
-            num_cpus=int(os.environ.get("HAMO_TEST_RAY_CPUS", "4")),
+            num_cpus=int(os.environ.get("HAMO_TEST_RAY_CPUS", "8")),
             include_dashboard=False,
             log_to_driver=True,
             configure_logging=False,

@@ -1,15 +1,29 @@
 """The Ray Data card pipeline end to end on a local Ray: distil -> embed -> LanceDB -> retrieve.
 
+Also: the LLM distiller against a loopback OpenAI-compatible endpoint, bad rows, skips, release.
+
 Run: pytest tests/ray/test_memory_pipeline.py -q
 """
 
 from __future__ import annotations
 
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import numpy as np
 import pytest
 
 from hamo_ray.config import MemoryConfig
-from hamo_ray.memory import Embedder, MemoryStore, build_cards_dataset, retrieve, write_cards
+from hamo_ray.memory import (
+    Embedder,
+    MemoryStore,
+    build_cards_dataset,
+    release_internalised,
+    retrieve,
+    write_cards,
+    write_cards_report,
+)
 from hamo_ray.types import TaskSpec, Trajectory, card_id
 
 GOALS = {
@@ -80,3 +94,57 @@ def test_pipeline_writes_cards_once_and_retrieves_own_card(ray_session, tmp_path
     hits = retrieve(store, embedder, target.goal, target.init_obs, k=3, exclude_ids={card.id})
     assert card.id not in {c.id for c, _ in hits} and len(hits) == 3
     assert retrieve(store, embedder, target.goal, target.init_obs, k=3, max_stage=0) == []
+
+
+class _Teacher(BaseHTTPRequestHandler):
+    """An OpenAI-compatible endpoint: a good outline, except an empty one for "boil" tasks."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        empty = "Your task is to boil" in body["messages"][-1]["content"]
+        content = "" if empty else "1. Go where the thing is.\n2. Focus on it."
+        data = json.dumps({"choices": [{"message": {"content": content}, "finish_reason": "stop"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_llm_pipeline_rejects_bad_rows_falls_back_and_skips_stored(ray_session, tmp_path, embedder):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Teacher)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    trajectories = _trajectories()
+    good = trajectories[5].model_dump(mode="json")
+    bad = [
+        {k: v for k, v in good.items() if k != "init_obs"},
+        {**good, "actions": [], "observations": []},
+        b'{"goal": "\xff\xfe"}',
+    ]
+    mcfg = MemoryConfig(
+        batch_size=8, distiller="llm", llm_base_url=url, llm_max_retries=1, index_threshold=10
+    )
+    store = MemoryStore.from_config(str(tmp_path / "memory"), mcfg, dim=embedder.dim)
+    report = write_cards_report(build_cards_dataset([*trajectories, *bad], 1, mcfg, store=store), store)
+    assert report.added == 20 and store.count() == 20 and not report.indexed
+    assert report.sources == {"llm": 15, "fallback": 5}  # the 5 "boil" outlines came back empty
+    assert [(r.row, r.reason) for r in report.rejected] == [
+        (20, "missing fields ['init_obs']"),
+        (21, "empty action list"),
+        (22, "not UTF-8: invalid start byte at byte 10"),
+    ]
+    assert report.rejected[0].trajectory_id == trajectories[5].id
+    outlines = {c.task: c.outline for c in store.cards()}
+    assert outlines["grow-plant"] == "1. Go where the thing is.; 2. Focus on it."
+    assert outlines["boil"].startswith("1. navigate to")
+    # A re-run skips stored trajectories before distilling: nothing reaches the endpoint.
+    server.shutdown()
+    again = write_cards_report(build_cards_dataset(trajectories, 1, mcfg, store=store), store)
+    assert again.added == again.seen == 0 and store.count() == 20
+    assert release_internalised(store, trajectories[:3], mcfg) == 0  # release is off by default
+    on = mcfg.model_copy(update={"release": True})
+    assert release_internalised(store, trajectories[:3], on) == 3
+    assert store.count(include_released=False) == 17

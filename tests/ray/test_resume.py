@@ -29,14 +29,28 @@ OVERRIDES = [
 
 
 def _command(root: Path) -> list[str]:
-    return [sys.executable, str(ROOT / "jobs" / "stream.py"), "--config", str(ROOT / "jobs" / "configs" / "tiny.yaml"),
-            *OVERRIDES, f"run.root={root}", "run.id=r", f"backbone.cache_dir={root / 'backbones'}"]
+    return [
+        sys.executable,
+        str(ROOT / "jobs" / "stream.py"),
+        "--config",
+        str(ROOT / "jobs" / "configs" / "tiny.yaml"),
+        *OVERRIDES,
+        f"run.root={root}",
+        "run.id=r",
+        f"backbone.cache_dir={root / 'backbones'}",
+    ]
 
 
 def _start(root: Path, log: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.Popen(_command(root), stdout=log.open("a"), stderr=subprocess.STDOUT, env=env,
-                            cwd=ROOT, start_new_session=True)
+    return subprocess.Popen(
+        _command(root),
+        stdout=log.open("a"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

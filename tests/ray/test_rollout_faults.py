@@ -32,8 +32,12 @@ def test_killed_env_and_actor_every_task_has_one_trajectory(ray_session):
     env_cfg = EnvConfig(max_turns=60)
     tasks = get_domain("scienceworld", env_cfg).tasks("train", "boil", limit=6)
     before = set(_java_pids())
-    pool = EnvPool("scienceworld", env_cfg, PromptConfig(),
-                   RolloutConfig(num_workers=2, envs_per_worker=2, max_attempts=3, max_actor_restarts=2))
+    pool = EnvPool(
+        "scienceworld",
+        env_cfg,
+        PromptConfig(),
+        RolloutConfig(num_workers=2, envs_per_worker=2, max_attempts=3, max_actor_restarts=2),
+    )
     killed: dict[str, object] = {}
 
     def inject() -> None:

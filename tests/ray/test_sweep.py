@@ -48,7 +48,10 @@ def test_tiny_sweep_aggregates(tmp_path):
     assert set(summary[setting]) == {"base", "harness", "model_only", "hamo"}
     for method, row in summary[setting].items():
         assert row["seeds"] == 2, method
-        assert row["average"]["n"] == 2 and row["average"]["ci_low"] <= row["average"]["mean"] <= row["average"]["ci_high"]
+        assert (
+            row["average"]["n"] == 2
+            and row["average"]["ci_low"] <= row["average"]["mean"] <= row["average"]["ci_high"]
+        )
         assert len(row["stage_scores"]["scienceworld"]) == 2
         assert len(row["retention"]) == 3  # stage 0 (initial evaluation), 1, 2
     table = (results / "table.md").read_text()

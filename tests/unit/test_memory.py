@@ -113,9 +113,9 @@ def _rows(n: int, stage: int = 0, start: int = 0) -> list[dict]:
     return rows
 
 
-def test_schema_is_card_fields_plus_vector():
+def test_schema_is_card_fields_released_and_vector():
     schema = card_schema(DIM)
-    assert schema.names == [*Card.model_fields, "vector"]
+    assert schema.names == [*Card.model_fields, "released", "vector"]
     assert schema.field("vector").type.list_size == DIM
 
 
@@ -194,6 +194,61 @@ def test_bad_write_raises_and_leaves_table_unchanged(tmp_path):
     assert store.count() == 3 and store.cards() == before
     with pytest.raises(ValueError, match="width"):
         MemoryStore(store.uri, dim=DIM + 1)
+
+
+def test_existing_ids_and_release_marks_without_deleting(tmp_path):
+    store = MemoryStore(str(tmp_path / "mem"), dim=DIM)
+    rows = _rows(5)
+    store.add(rows)
+    ids = [r["id"] for r in rows]
+    assert store.existing_ids([ids[0], "nope", ids[3]]) == {ids[0], ids[3]}
+    query = _unit([np.cos(0.31), np.sin(0.31), 0.0, 0.0])  # nearest: variation 3
+    assert store.search(query, k=1)[0][0][0].variation == 3
+    assert store.release([ids[3], "unknown"]) == 1
+    assert store.release([ids[3]]) == 0  # already released
+    assert store.count() == 5 and store.count(include_released=False) == 4
+    assert [c.variation for c, _ in store.search(query, k=2)[0]] == [4, 2]
+    assert len(store.cards()) == 5  # still stored
+    assert store.add(rows) == 0  # a re-run neither duplicates nor un-releases
+    assert store.count(include_released=False) == 4
+
+
+def test_table_written_before_the_released_column(tmp_path):
+    import lancedb
+    import pyarrow as pa
+
+    old = pa.schema([f for f in card_schema(DIM) if f.name != "released"])
+    lancedb.connect(str(tmp_path / "mem")).create_table("cards", schema=old)
+    store = MemoryStore(str(tmp_path / "mem"))
+    rows = _rows(3)
+    assert store.add(rows) == 3 and len(store.search(rows[0]["vector"], k=3)[0]) == 3
+    assert store.release([rows[0]["id"]]) == 1  # adds the column, then marks
+    assert store.add(_rows(4)) == 1 and store.count(include_released=False) == 3
+    assert rows[0]["id"] not in {c.id for c, _ in store.search(rows[0]["vector"], k=4)[0]}
+
+
+def test_index_switch_keeps_results(tmp_path):
+    rng = np.random.default_rng(0)
+    centers = rng.normal(size=(20, 32))
+    vecs = centers[rng.integers(0, 20, 600)] + 0.5 * rng.normal(size=(600, 32))
+    vecs = (vecs / np.linalg.norm(vecs, axis=1, keepdims=True)).astype(np.float32)
+    rows = []
+    for i, v in enumerate(vecs):
+        card = card_from_trajectory(_traj(["x"], variation=i), stage=0, outline="1. x")
+        rows.append({**card.model_dump(), "vector": v})
+    store = MemoryStore(str(tmp_path / "mem"), dim=32, index_threshold=500, nprobes=24, refine_factor=20)
+    store.add(rows[:400])
+    assert store.ensure_index() is False and not store.indexed()  # below the threshold: exact
+    queries = vecs[:50] + 0.05 * rng.normal(size=(50, 32)).astype(np.float32)
+    store.add(rows[400:])
+    exact = [[c.id for c, _ in h] for h in store.search(queries, k=3)]
+    assert store.ensure_index() is True and store.indexed()
+    approx = [[c.id for c, _ in h] for h in store.search(queries, k=3)]
+    recall = np.mean([len(set(a) & set(e)) / 3 for a, e in zip(approx, exact)])
+    assert recall >= 0.9, recall
+    store.release([exact[0][0]])
+    assert exact[0][0] not in {c.id for c, _ in store.search(queries[:1], k=3)[0]}
+    assert store.ensure_index() is True  # already indexed: folds new rows in
 
 
 @pytest.fixture(scope="module")

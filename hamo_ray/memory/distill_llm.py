@@ -1,0 +1,237 @@
+"""The LLM distiller: trajectory -> strategy-level solution outline through an OpenAI-compatible endpoint.
+
+Any server speaking ``POST {base_url}/chat/completions`` works: the project's own Serve app, a vLLM
+server of a larger teacher model, a hosted API. Selected with ``memory.distiller=llm`` and
+``memory.llm_base_url=http://host:port/v1``; it runs inside the Ray Data card pipeline, one
+distiller per task, each with at most ``memory.llm_concurrency`` requests in flight.
+
+Per trajectory: one request with :data:`PROMPT_TEMPLATE`; the reply is normalised to one line of
+numbered steps (``1. ...; 2. ...``) and validated. An *empty* outline (no step left) or a *runaway*
+one (longer than ``llm_max_outline_chars``, or cut by the token limit) is retried, as are HTTP
+errors and timeouts, up to ``llm_max_retries`` times with a short exponential back-off; after that
+the deterministic distiller (``llm_fallback``, "outline" by default) writes the outline, and the row
+is counted as a fallback (``outline_source == "fallback"``)::
+
+    from hamo_ray.config import MemoryConfig
+    distiller = LLMDistiller.from_config(MemoryConfig(distiller="llm", llm_base_url="http://127.0.0.1:8000/v1"))
+    outlines, sources = distiller.distill_with_sources(trajectories)   # sources: "llm" or "fallback"
+
+httpx is imported when a distiller is built.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from hamo_ray.memory.distill import get_distiller, register_distiller
+from hamo_ray.types import Trajectory
+
+if TYPE_CHECKING:
+    from hamo_ray.config import MemoryConfig
+
+logger = logging.getLogger(__name__)
+
+SYSTEM_PROMPT = (
+    "You distil an agent's successful trajectory into a reusable, strategy-level solution outline "
+    "for similar tasks."
+)
+# The prompt template: {goal}, {init_obs} and {actions} (one numbered action a line) are filled in.
+# It asks for numbered steps naming their purpose, concrete object names kept, no observations.
+PROMPT_TEMPLATE = """Task: {goal}
+Initial observation: {init_obs}
+Actions that solved it:
+{actions}
+
+Write the solution outline: at most {max_steps} numbered steps, one per line, each a short
+imperative sentence saying what to do and, when useful, why. Group navigation into one step
+("navigate to the kitchen"), drop looking around and inventory checks, keep the concrete object
+names. Answer with the numbered steps only."""
+
+MAX_PROMPT_ACTIONS = 60  # longer action lists keep their first and last 30 actions
+MAX_OBS_CHARS = 600
+_STEP = re.compile(r"^\s*(?:\d+\s*[.):-]|[-*•])\s*")
+_FENCE = re.compile(r"^```.*$", re.MULTILINE)
+
+
+class InvalidOutline(ValueError):
+    """The endpoint answered, but the outline is empty or runaway."""
+
+
+def build_prompt(traj: Trajectory, max_steps: int = 12) -> str:
+    """The user message for one trajectory (see :data:`PROMPT_TEMPLATE`)."""
+    actions = list(traj.actions)
+    if len(actions) > MAX_PROMPT_ACTIONS:
+        half = MAX_PROMPT_ACTIONS // 2
+        actions = [*actions[:half], "...", *actions[-half:]]
+    return PROMPT_TEMPLATE.format(
+        goal=traj.goal.strip(),
+        init_obs=traj.init_obs.strip()[:MAX_OBS_CHARS],
+        actions="\n".join(f"{i}. {a}" for i, a in enumerate(actions, start=1)),
+        max_steps=max_steps,
+    )
+
+
+def normalise_outline(text: str, max_chars: int, truncated: bool = False) -> str:
+    """Turn a reply into one line ``1. step; 2. step; ...``, or raise :class:`InvalidOutline`.
+
+    Args:
+        text: the model's reply.
+        max_chars: longest accepted outline (characters, after normalising).
+        truncated: the reply was cut by the token limit (``finish_reason == "length"``).
+
+    Returns:
+        The normalised outline.
+
+    Raises:
+        InvalidOutline: no step left (empty), or the outline is runaway (too long or cut).
+    """
+    if truncated:
+        raise InvalidOutline("runaway: the reply hit the token limit")
+    lines = [_STEP.sub("", line).strip() for line in _FENCE.sub("", text or "").splitlines()]
+    steps = [" ".join(line.split()) for line in lines if line.strip()]
+    if len(steps) == 1 and "; " in steps[0]:  # already one line of "1. a; 2. b"
+        steps = [_STEP.sub("", s).strip() for s in steps[0].split("; ") if s.strip()]
+    if not steps:
+        raise InvalidOutline("empty outline")
+    outline = "; ".join(f"{i}. {s}" for i, s in enumerate(steps, start=1))
+    if len(outline) > max_chars:
+        raise InvalidOutline(f"runaway outline: {len(outline)} > {max_chars} characters")
+    return outline
+
+
+@register_distiller("llm")
+class LLMDistiller:
+    """Outlines from an OpenAI-compatible chat endpoint, validated, with a deterministic fallback.
+
+    Args:
+        base_url: the API root, e.g. ``http://127.0.0.1:8000/v1``.
+        model: the served model name.
+        api_key: sent as a bearer token ("EMPTY" for local servers).
+        concurrency: requests in flight (threads).
+        max_retries: retries of one trajectory before the fallback.
+        timeout_s: per-request timeout.
+        max_tokens, temperature: sampling settings.
+        max_outline_chars: longer outlines are runaway.
+        fallback: the registered distiller used when every try failed.
+        backoff_s: the first retry waits this long, doubling each time.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str = "base",
+        api_key: str = "EMPTY",
+        concurrency: int = 8,
+        max_retries: int = 2,
+        timeout_s: float = 60.0,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        max_outline_chars: int = 1200,
+        fallback: str = "outline",
+        backoff_s: float = 0.2,
+    ) -> None:
+        import httpx
+
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model = model
+        self.concurrency = max(1, concurrency)
+        self.max_retries = max(0, max_retries)
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.max_outline_chars = max_outline_chars
+        self.backoff_s = backoff_s
+        self.fallback = get_distiller(fallback)
+        self._client = httpx.Client(
+            timeout=timeout_s,
+            headers={"Authorization": f"Bearer {api_key}"},
+            limits=httpx.Limits(max_connections=self.concurrency),
+        )
+
+    @classmethod
+    def from_config(cls, mcfg: MemoryConfig) -> LLMDistiller:
+        """The distiller described by the ``memory.llm_*`` settings."""
+        if not mcfg.llm_base_url:
+            raise ValueError("memory.llm_base_url is required for the llm distiller")
+        return cls(
+            mcfg.llm_base_url,
+            model=mcfg.llm_model,
+            api_key=mcfg.llm_api_key,
+            concurrency=mcfg.llm_concurrency,
+            max_retries=mcfg.llm_max_retries,
+            timeout_s=mcfg.llm_timeout_s,
+            max_tokens=mcfg.llm_max_tokens,
+            temperature=mcfg.llm_temperature,
+            max_outline_chars=mcfg.llm_max_outline_chars,
+            fallback=mcfg.llm_fallback,
+        )
+
+    def _request(self, traj: Trajectory) -> str:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": build_prompt(traj)},
+            ],
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+        }
+        response = self._client.post(self.url, json=body)
+        response.raise_for_status()
+        choice = response.json()["choices"][0]
+        return normalise_outline(
+            choice["message"].get("content") or "",
+            self.max_outline_chars,
+            truncated=choice.get("finish_reason") == "length",
+        )
+
+    def _one(self, traj: Trajectory) -> tuple[str | None, str]:
+        """(outline or None, last error) after at most ``1 + max_retries`` tries."""
+        error = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(min(5.0, self.backoff_s * 2 ** (attempt - 1)))
+            try:
+                return self._request(traj), ""
+            except InvalidOutline as exc:
+                error = str(exc)
+            except Exception as exc:  # HTTP status, connection, timeout, malformed JSON
+                error = f"{type(exc).__name__}: {exc}"
+            logger.debug("llm distiller: %s try %d failed: %s", traj.id, attempt + 1, error)
+        return None, error
+
+    def distill_with_sources(self, trajectories: Sequence[Trajectory]) -> tuple[list[str], list[str]]:
+        """Outline each trajectory, in order, and say who wrote it.
+
+        Returns:
+            (outlines, sources): ``sources[i]`` is "llm" or "fallback".
+        """
+        if not trajectories:
+            return [], []
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(trajectories))) as pool:
+            results = list(pool.map(self._one, trajectories))
+        failed = [i for i, (outline, _) in enumerate(results) if outline is None]
+        backup = self.fallback.distill([trajectories[i] for i in failed]) if failed else []
+        outlines = [outline or "" for outline, _ in results]
+        sources = ["llm"] * len(trajectories)
+        for i, outline in zip(failed, backup, strict=True):
+            outlines[i], sources[i] = outline, "fallback"
+        if failed:
+            logger.warning(
+                "llm distiller: %d of %d outlines fell back to the deterministic distiller (last: %s)",
+                len(failed),
+                len(trajectories),
+                results[failed[-1]][1],
+            )
+        return outlines, sources
+
+    def distill(self, trajectories: Sequence[Trajectory]) -> list[str]:
+        """Outline each trajectory, in order (see :meth:`distill_with_sources`)."""
+        return self.distill_with_sources(trajectories)[0]
+
+    def close(self) -> None:
+        self._client.close()
