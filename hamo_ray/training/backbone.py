@@ -12,6 +12,7 @@ second run reuses it and a changed setting rebuilds it.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -92,6 +93,21 @@ def ensure_backbone(cfg: HamoConfig, run_expert, storage_path: Path) -> Path:
     Returns:
         The backbone's Hugging Face folder.
     """
+    path = backbone_path(cfg)
+    if (path / "BUILD_DONE").exists():
+        logger.info("backbone: reusing cached %s", path)
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Two runs needing the same backbone at once (a sweep, a second job): one builds, the other waits.
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (path / "BUILD_DONE").exists():
+            logger.info("backbone: built meanwhile by another run: %s", path)
+            return path
+        return _build(cfg, run_expert, storage_path, path)
+
+
+def _build(cfg: HamoConfig, run_expert, storage_path: Path, path: Path) -> Path:
     import ray
     from transformers import AutoTokenizer
 
@@ -100,10 +116,6 @@ def ensure_backbone(cfg: HamoConfig, run_expert, storage_path: Path) -> Path:
     from hamo_ray.training.tiny_lm import init_qwen3, save_backbone, train_tokenizer
     from hamo_ray.training.trainer import train_model
 
-    path = backbone_path(cfg)
-    if (path / "BUILD_DONE").exists():
-        logger.info("backbone: reusing cached %s", path)
-        return path
     start = time.time()
     bcfg = cfg.backbone
     logger.info("backbone: building %s from split %r", path.name, bcfg.split)

@@ -144,7 +144,8 @@ def test_llm_pipeline_rejects_bad_rows_falls_back_and_skips_stored(ray_session, 
     server.shutdown()
     again = write_cards_report(build_cards_dataset(trajectories, 1, mcfg, store=store), store)
     assert again.added == again.seen == 0 and store.count() == 20
-    assert release_internalised(store, trajectories[:3], mcfg) == 0  # release is off by default
-    on = mcfg.model_copy(update={"release": True})
-    assert release_internalised(store, trajectories[:3], on) == 3
+    # method.release decides whether this runs; the threshold comes from memory.release_min_score.
+    strict = mcfg.model_copy(update={"release_min_score": 101.0})
+    assert release_internalised(store, trajectories[:3], strict) == 0
+    assert release_internalised(store, trajectories[:3], mcfg) == 3
     assert store.count(include_released=False) == 17
