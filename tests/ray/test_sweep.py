@@ -14,6 +14,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # 8 stream runs: ~10 min on 2 cores; run with `bash scripts/test.sh -m slow`
 @pytest.mark.timeout(1500)
 def test_tiny_sweep_aggregates(tmp_path):
     sweep = {
