@@ -107,7 +107,7 @@ def expand_cells(sweep: SweepConfig, base: Path) -> list[tuple[str, HamoConfig]]
 
 
 def setting_of(cfg: HamoConfig) -> str:
-    return f"{_tag(cfg.model.path)} | {'->'.join(cfg.domains())}"
+    return f"{_tag(cfg.model.path)}: {'->'.join(cfg.domains())}"
 
 
 def aggregate(cells: list[tuple[str, HamoConfig]], out_dir: Path) -> dict[str, Any]:
