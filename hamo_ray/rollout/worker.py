@@ -94,36 +94,26 @@ class EnvWorker:
         )
 
     async def _play(self, env, task: TaskSpec, client: PolicyClient | None) -> Trajectory:
+        """One episode: the expert's plan (``client`` None) or the served policy, step by step."""
         goal, init_obs = await self._call(env.reset, task)
         actions: list[str] = []
         observations: list[str] = []
-        score, done = 0.0, False
+        score, done, tokens = 0.0, False, 0
         if client is None:
             plan = await self._call(env.expert_actions)
-            for action in plan[: self.env_cfg.max_turns * 4]:
-                step = await self._call(env.step, action)
-                actions.append(action)
-                observations.append(step.observation)
-                score, done = step.score, step.done
-                if done:
-                    break
-            return Trajectory(
-                task=task,
-                goal=goal,
-                init_obs=init_obs,
-                actions=actions,
-                observations=observations,
-                score=score,
-                done=done,
-                source="expert",
-            )
-        cards = await client.retrieve(goal, init_obs)
-        tokens = 0
-        for turn in range(self.env_cfg.max_turns):
-            messages = build_messages(goal, init_obs, cards, actions, observations, self.prompt_cfg)
-            reply, used = await client.act(messages, seed=_turn_seed(client.spec.seed, task, turn))
-            tokens += used
-            action = clean_action(reply)
+            turns, cards, extra = min(len(plan), self.env_cfg.max_turns * 4), [], {"source": "expert"}
+        else:
+            cards = await client.retrieve(goal, init_obs)
+            turns = self.env_cfg.max_turns
+            extra = {"source": "policy", "model": client.spec.model, "cards_used": [c.id for c in cards]}
+        for turn in range(turns):
+            if client is None:
+                action = plan[turn]
+            else:
+                messages = build_messages(goal, init_obs, cards, actions, observations, self.prompt_cfg)
+                reply, used = await client.act(messages, seed=_turn_seed(client.spec.seed, task, turn))
+                tokens += used
+                action = clean_action(reply)
             step = await self._call(env.step, action)
             actions.append(action)
             observations.append(step.observation)
@@ -138,10 +128,8 @@ class EnvWorker:
             observations=observations,
             score=score,
             done=done,
-            source="policy",
-            model=client.spec.model,
-            cards_used=[c.id for c in cards],
             policy_tokens=tokens,
+            **extra,
         )
 
     def close(self) -> None:
