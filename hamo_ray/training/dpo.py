@@ -17,13 +17,13 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from hamo_ray.config import PromptConfig, TrainConfig
 from hamo_ray.training.examples import trajectory_examples
+from hamo_ray.training.trainer import fit_to_folder
 from hamo_ray.types import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -191,14 +191,5 @@ def train_dpo(
         ),
         run_config=RunConfig(name=name, storage_path=str(Path(storage_path).resolve())),
     )
-    result = trainer.fit()
-    if result.checkpoint is None:
-        raise RuntimeError(f"DPO run {name!r} finished without a checkpoint: {result.error}")
-    out_dir = Path(out_dir)
-    tmp_out = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp_out, ignore_errors=True)
-    result.checkpoint.to_directory(str(tmp_out))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp_out.rename(out_dir)
-    m = result.metrics
+    m = fit_to_folder(trainer, out_dir, name)
     return {"path": str(out_dir), "loss": float(m["loss"]), "losses": m["losses"], "accuracy": m["accuracy"]}

@@ -186,6 +186,24 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         ray.train.report(metrics)
 
 
+def fit_to_folder(trainer, out_dir: str | Path, name: str) -> dict:
+    """Run a Ray ``trainer`` and copy its final checkpoint to ``out_dir`` whole; returns its metrics.
+
+    Raises:
+        RuntimeError: the run ended without a checkpoint.
+    """
+    result = trainer.fit()
+    if result.checkpoint is None:
+        raise RuntimeError(f"training run {name!r} finished without a checkpoint: {result.error}")
+    out_dir = Path(out_dir)
+    tmp_out = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp_out, ignore_errors=True)
+    result.checkpoint.to_directory(str(tmp_out))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp_out.rename(out_dir)  # the adapter folder appears whole or not at all
+    return result.metrics
+
+
 def train_model(
     base_path: str,
     examples: list[Example],
@@ -276,16 +294,8 @@ def train_model(
         run_config=RunConfig(name=name, storage_path=str(Path(storage_path).resolve())),
     )
     logger.info("train %s: %s on %d workers, %d examples", name, strategy, tcfg.num_workers, len(examples))
-    result = trainer.fit()
-    if result.checkpoint is None:
-        raise RuntimeError(f"training run {name!r} finished without a checkpoint: {result.error}")
+    m = fit_to_folder(trainer, out_dir, name)
     out_dir = Path(out_dir)
-    tmp_out = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp_out, ignore_errors=True)
-    result.checkpoint.to_directory(str(tmp_out))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp_out.rename(out_dir)  # the adapter folder appears whole or not at all
-    m = result.metrics
     return TrainResult(
         path=str(out_dir),
         loss=float(m["loss"]),
