@@ -263,9 +263,14 @@ def test_load_200_concurrent_chats_are_batched(server, published):
 
         async def watch() -> None:
             nonlocal peak
-            async with httpx.AsyncClient(timeout=30) as http:
+            # A poll that queues behind the load past its timeout is a missed sample, not a failure:
+            # the wall-time comparison below still judges batching.
+            async with httpx.AsyncClient(timeout=10) as http:
                 while not done:
-                    peak = max(peak, _running((await http.get(f"{server}/metrics")).text))
+                    try:
+                        peak = max(peak, _running((await http.get(f"{server}/metrics")).text))
+                    except httpx.TimeoutException:
+                        pass
                     await asyncio.sleep(0.05)
 
         async def one(i: int):
