@@ -1,13 +1,14 @@
-"""Retrieval at scale: ``MemoryStore.search`` (LanceDB, IVF_PQ index + exact re-ranking) vs exact numpy.
+"""Retrieval at scale: ``MemoryStore.search`` (LanceDB, ANN index + exact re-ranking) vs exact numpy.
 
 For each size: the store is filled with clustered unit vectors (384 dims) and card fields, the
-index is built by ``ensure_index`` (its time is reported), then single queries (what the harness
+index (``--index-types``, default IVF_SQ) is built by ``ensure_index`` (its time is reported), then single queries (what the harness
 sends: one task key, top-3) are timed one by one: p50/p99 latency of our indexed store and of an
 exact numpy scan over the same matrix in memory; recall@3 of the index against the exact answer.
 The queries are noisy copies of stored keys (a new variation of a known task).
 
     python benchmarks/bench_retrieval.py                          # 10^4, 10^5, 10^6 cards
     python benchmarks/bench_retrieval.py --sizes 10000 --queries 200
+    python benchmarks/bench_retrieval.py --sizes 1000000 --index-types ivf_sq ivf_pq
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def fill(store: MemoryStore, vectors: np.ndarray, chunk: int = 100_000) -> None:
         store.add(cols)
 
 
-def run(n: int, dim: int, queries: int, nprobes: list[int], refine: int) -> list[dict]:
+def run(n: int, dim: int, queries: int, nprobes: list[int], refine: int, index_type: str) -> list[dict]:
     vectors = clustered(n, dim)
     rng = np.random.default_rng(1)
     qs = vectors[rng.integers(0, n, queries)] + 0.3 * rng.normal(size=(queries, dim)).astype(
@@ -56,7 +57,7 @@ def run(n: int, dim: int, queries: int, nprobes: list[int], refine: int) -> list
     ) / np.sqrt(dim)
     qs /= np.linalg.norm(qs, axis=1, keepdims=True)
     with tempfile.TemporaryDirectory() as tmp:
-        store = MemoryStore(tmp, dim=dim, index_threshold=1, refine_factor=refine)
+        store = MemoryStore(tmp, dim=dim, index_threshold=1, index_type=index_type, refine_factor=refine)
         t0 = time.perf_counter()
         fill(store, vectors)
         t_fill = time.perf_counter() - t0
@@ -86,6 +87,7 @@ def run(n: int, dim: int, queries: int, nprobes: list[int], refine: int) -> list
     return [
         {
             "n": n,
+            "type": index_type,
             "nprobes": probes,
             "fill": t_fill,
             "index": t_index,
@@ -105,18 +107,23 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--queries", type=int, default=300)
     parser.add_argument("--nprobes", type=int, nargs="+", default=[16])
-    parser.add_argument("--refine", type=int, default=30)
+    parser.add_argument("--refine", type=int, default=10)
+    parser.add_argument(
+        "--index-types", nargs="+", default=["ivf_sq"], choices=["ivf_sq", "ivf_pq", "ivf_hnsw_sq"]
+    )
     args = parser.parse_args()
     header = (
-        f"{'cards':>9} | {'nprobes':>7} | {'write s':>7} {'index s':>7} | {'lance p50 ms':>12} {'p99 ms':>7} | "
+        f"{'cards':>9} | {'index':>11} | {'nprobes':>7} | {'write s':>7} {'index s':>7} | {'lance p50 ms':>12} {'p99 ms':>7} | "
         f"{'numpy p50 ms':>12} {'p99 ms':>7} | {'p50 ratio':>9} | recall@3"
     )
     print(header)
     print("-" * len(header))
     for n in args.sizes:
-        for r in run(n, args.dim, args.queries, args.nprobes, args.refine):
+        for r in (
+            r for t in args.index_types for r in run(n, args.dim, args.queries, args.nprobes, args.refine, t)
+        ):
             print(
-                f"{r['n']:>9} | {r['nprobes']:>7} | {r['fill']:7.1f} {r['index']:7.1f} | {r['ours50']:12.2f} {r['ours99']:7.2f} | "
+                f"{r['n']:>9} | {r['type']:>11} | {r['nprobes']:>7} | {r['fill']:7.1f} {r['index']:7.1f} | {r['ours50']:12.2f} {r['ours99']:7.2f} | "
                 f"{r['np50']:12.2f} {r['np99']:7.2f} | {r['np50'] / r['ours50']:8.2f}x | {r['recall']:.3f}",
                 flush=True,
             )

@@ -218,7 +218,7 @@ class Stream:
             self._harness_app = f"{cfg.serve.app_name}-harness" + (
                 "" if self._owns_server else f"-{self.run_id}"
             )
-            app = build_harness_app(self.folder.memory_uri, cfg.memory.table, cfg.memory.embedding_model)
+            app = build_harness_app(self.folder.memory_uri, cfg.memory)
             serve.run(app, name=self._harness_app, route_prefix=route)
             parts = urlsplit(base_url)
             harness_url = f"{parts.scheme}://{parts.netloc}{route}"

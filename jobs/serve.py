@@ -108,8 +108,7 @@ class RunServer:
             harness_app = f"{scfg.app_name}-harness"
             app = build_harness_app(
                 self.folder.memory_uri,
-                cfg.memory.table,
-                cfg.memory.embedding_model,
+                cfg.memory,
                 scfg.harness_num_cpus,
                 api_key=scfg.api_key,
                 max_request_bytes=scfg.max_request_bytes,

@@ -112,6 +112,8 @@ def to_card_table(rows: Rows, dim: int | None = None) -> pa.Table:
             continue
         values = columns[field.name]
         values = values.to_pylist() if isinstance(values, pa.ChunkedArray | pa.Array) else list(values)
+        if field.name == RELEASED:  # never null: search filters on ``released = false`` (indexed)
+            values = [bool(v) if v is not None else False for v in values]
         try:
             arrays.append(pa.array(values, type=field.type))
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as exc:

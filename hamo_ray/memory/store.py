@@ -3,8 +3,8 @@
 The table schema is the ``Card`` type, a ``released`` flag and a fixed-size float32 ``vector`` column
 (``hamo_ray.memory.schema``). The store is append-only and idempotent on ``id``. Search is top-k by
 cosine similarity: exact (flat scan) while the table holds fewer than ``index_threshold`` rows, and
-through an IVF_PQ index (``nprobes`` partitions, exact re-ranking of ``refine_factor * k``
-candidates) once :meth:`MemoryStore.ensure_index` has built it past the threshold. Released cards
+through an ANN index (IVF_SQ by default: ``nprobes`` partitions, exact re-ranking of
+``refine_factor * k`` candidates) once :meth:`MemoryStore.ensure_index` has built it past the threshold. Released cards
 (METHOD.md step 6) stay stored and are skipped by search. ``uri`` is any LanceDB URI: a local folder
 (the embedded default), an object store (``s3://bucket/path``, credentials from the environment) or
 a LanceDB server. One process writes a table (the stream driver); any number read it::
@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 _QUERY_CHUNK = 256  # query vectors per LanceDB call; bounds the size of one result table
 _ID_CHUNK = 512  # ids per "id IN (...)" filter
 PARTITION_ROWS = 4096  # rows per IVF partition of the ANN index
+INDEX_TYPES = ("ivf_sq", "ivf_pq", "ivf_hnsw_sq")
 
 
 def _sql_list(values: Sequence[str]) -> str:
@@ -54,6 +55,8 @@ class MemoryStore:
         table: the table name.
         dim: the vector width. With None, an existing table gives it, or the first ``add`` does.
         index_threshold: rows from which :meth:`ensure_index` builds the ANN index.
+        index_type: the ANN index: ``ivf_sq`` (IVF with 8-bit scalar quantisation, the default),
+            ``ivf_pq`` (product quantisation: smaller, less exact) or ``ivf_hnsw_sq``.
         nprobes: IVF partitions searched per query once indexed.
         refine_factor: indexed search re-ranks ``refine_factor * k`` candidates by exact distance.
         storage_options: object-store options for LanceDB (region, endpoint, credentials...).
@@ -69,8 +72,9 @@ class MemoryStore:
         dim: int | None = None,
         *,
         index_threshold: int = 50_000,
+        index_type: str = "ivf_sq",
         nprobes: int = 16,
-        refine_factor: int = 30,
+        refine_factor: int = 10,
         storage_options: dict[str, str] | None = None,
     ) -> None:
         import lancedb
@@ -78,6 +82,9 @@ class MemoryStore:
         self.uri = str(uri)
         self.table_name = table
         self.index_threshold = index_threshold
+        if index_type not in INDEX_TYPES:
+            raise ValueError(f"memory index_type {index_type!r} is not one of {sorted(INDEX_TYPES)}")
+        self.index_type = index_type
         self.nprobes = nprobes
         self.refine_factor = refine_factor
         # interval 0: every read checks for versions committed by other processes.
@@ -97,6 +104,7 @@ class MemoryStore:
             mcfg.table,
             dim,
             index_threshold=mcfg.index_threshold,
+            index_type=mcfg.index_type,
             nprobes=mcfg.index_nprobes,
             refine_factor=mcfg.index_refine_factor,
             storage_options=dict(mcfg.storage_options),
@@ -154,7 +162,7 @@ class MemoryStore:
             return 0
         if include_released or not self._has_released():
             return table.count_rows()
-        return table.count_rows(f"{RELEASED} IS NOT TRUE")
+        return table.count_rows(f"{RELEASED} = false")
 
     def _has_released(self) -> bool:
         return self._open() is not None and RELEASED in self._table.schema.names
@@ -181,9 +189,13 @@ class MemoryStore:
         if table is None or not ids:
             return 0
         if not self._has_released():
+            from lancedb.index import Bitmap
+
             table.add_columns({RELEASED: "false"})
             self._table = None
             table = self._open()
+            if self.indexed():
+                table.create_index(RELEASED, config=Bitmap(), replace=True)
         marked = 0
         unique = list(dict.fromkeys(ids))
         for start in range(0, len(unique), _ID_CHUNK):
@@ -198,10 +210,12 @@ class MemoryStore:
         return table is not None and any(i.columns == ["vector"] for i in table.list_indices())
 
     def ensure_index(self, force: bool = False) -> bool:
-        """Build the IVF_PQ index once the table reaches ``index_threshold`` rows; update it later.
+        """Build the ANN index once the table reaches ``index_threshold`` rows; update it later.
 
+        With the vector index come scalar indices on ``released`` (bitmap) and ``stage`` (btree):
+        search prefilters on both, and without them every query would scan those columns.
         Only the writer calls this. Rows added after the build are searched exactly until the next
-        call folds them into the index (``optimize``).
+        call folds them into the indices (``optimize``).
 
         Args:
             force: build even below the threshold.
@@ -209,7 +223,7 @@ class MemoryStore:
         Returns:
             Whether the table is indexed now.
         """
-        from lancedb.index import IvfPq
+        from lancedb.index import Bitmap, BTree
 
         table = self._open()
         n = 0 if table is None else table.count_rows()
@@ -219,19 +233,32 @@ class MemoryStore:
             table.optimize()
             return True
         start = time.perf_counter()
-        sub_vectors = next(s for s in (48, 32, 24, 16, 12, 8, 4, 2, 1) if self.dim % s == 0)
-        # ~4,096 rows a partition: k-means stays cheap at 10^6 rows, and nprobes partitions scan a
-        # few percent of the table; the exact re-ranking (refine_factor) restores the recall of PQ.
-        config = IvfPq(
-            distance_type="cosine",
-            num_partitions=max(1, round(n / PARTITION_ROWS)),
-            num_sub_vectors=sub_vectors,
-        )
-        table.create_index("vector", config=config)
+        table.create_index("vector", config=self._index_config(n))
+        if self._has_released():
+            table.create_index(RELEASED, config=Bitmap(), replace=True)
+        table.create_index("stage", config=BTree(), replace=True)
         logger.info(
-            "memory %s: IVF_PQ index over %d rows in %.1f s", self.uri, n, time.perf_counter() - start
+            "memory %s: %s index over %d rows in %.1f s",
+            self.uri,
+            self.index_type.upper(),
+            n,
+            time.perf_counter() - start,
         )
         return True
+
+    def _index_config(self, n: int) -> Any:
+        from lancedb.index import IvfHnswSq, IvfPq, IvfSq
+
+        # ~4,096 rows a partition: k-means stays cheap at 10^6 rows, and nprobes partitions scan a
+        # few percent of the table; the exact re-ranking (refine_factor * k) fixes the order that
+        # quantisation blurs. HNSW graphs search large partitions well: 16x fewer of them.
+        partitions = max(1, round(n / PARTITION_ROWS))
+        if self.index_type == "ivf_sq":
+            return IvfSq(distance_type="cosine", num_partitions=partitions)
+        if self.index_type == "ivf_hnsw_sq":
+            return IvfHnswSq(distance_type="cosine", num_partitions=max(1, partitions // 16))
+        sub_vectors = next(s for s in (48, 32, 24, 16, 12, 8, 4, 2, 1) if self.dim % s == 0)
+        return IvfPq(distance_type="cosine", num_partitions=partitions, num_sub_vectors=sub_vectors)
 
     def cards(self, stage: int | None = None) -> list[Card]:
         """All cards, or those of one stage, ordered by (stage, trajectory id).
@@ -312,7 +339,8 @@ class MemoryStore:
             )
         excluded = [set(e) for e in exclude_ids] if exclude_ids is not None else [set() for _ in range(n)]
         limit = k + max(len(e) for e in excluded)
-        filters = [f"{RELEASED} IS NOT TRUE"] if self._has_released() else []
+        # "released = false" (never null, see to_card_table) is answered by the bitmap index.
+        filters = [f"{RELEASED} = false"] if self._has_released() else []
         if max_stage is not None:
             filters.append(f"stage <= {int(max_stage)}")
         indexed = self.indexed()

@@ -23,6 +23,7 @@ from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
+from hamo_ray.config import MemoryConfig
 from hamo_ray.serving.guard import GuardMiddleware, configure_guard
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,7 @@ class HarnessServer:
     def __init__(
         self,
         memory_uri: str,
-        table: str,
-        embedding_model: str,
+        memory: MemoryConfig,
         api_key: str | None = None,
         max_request_bytes: int = 1_000_000,
         max_stage: int | None = None,
@@ -60,16 +60,17 @@ class HarnessServer:
         setup_logging()
         configure_guard(api_key, max_request_bytes)
         self.max_stage = max_stage
-        self.embedder = Embedder(embedding_model)
+        self.embedder = Embedder(memory.embedding_model)
         self.memory_uri = memory_uri
-        self.table = table
+        self.memory = memory
         self._store = None
 
     def _get_store(self):
         from hamo_ray.memory.store import MemoryStore
 
         if self._store is None:
-            self._store = MemoryStore(self.memory_uri, self.table, dim=self.embedder.dim)
+            # The run's index settings (nprobes, refine factor, storage options) apply here too.
+            self._store = MemoryStore.from_config(self.memory_uri, self.memory, dim=self.embedder.dim)
         return self._store
 
     @harness_api.get("/health")
@@ -105,8 +106,7 @@ class HarnessServer:
 
 def build_harness_app(
     memory_uri: str,
-    table: str,
-    embedding_model: str,
+    memory: MemoryConfig,
     num_cpus: float = 0.25,
     *,
     api_key: str | None = None,
@@ -117,13 +117,13 @@ def build_harness_app(
 
     Args:
         memory_uri: the LanceDB folder or URI (a run's ``memory/``).
-        table: the cards table.
-        embedding_model: the model the cards were embedded with.
+        memory: the run's memory settings: table, embedding model (the one the cards were
+            embedded with), index search settings and storage options.
         num_cpus: per replica.
         api_key: bearer key required on its routes; None: open.
         max_request_bytes: larger bodies get 413.
         max_stage: cap on the stages retrieved from (None: all).
     """
     return HarnessServer.options(ray_actor_options={"num_cpus": num_cpus}).bind(
-        memory_uri, table, embedding_model, api_key, max_request_bytes, max_stage
+        memory_uri, memory, api_key, max_request_bytes, max_stage
     )

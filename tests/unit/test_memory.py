@@ -227,7 +227,8 @@ def test_table_written_before_the_released_column(tmp_path):
     assert rows[0]["id"] not in {c.id for c, _ in store.search(rows[0]["vector"], k=4)[0]}
 
 
-def test_index_switch_keeps_results(tmp_path):
+@pytest.mark.parametrize("index_type", ["ivf_sq", "ivf_pq", "ivf_hnsw_sq"])
+def test_index_switch_keeps_results(tmp_path, index_type):
     rng = np.random.default_rng(0)
     centers = rng.normal(size=(20, 32))
     vecs = centers[rng.integers(0, 20, 600)] + 0.5 * rng.normal(size=(600, 32))
@@ -236,7 +237,16 @@ def test_index_switch_keeps_results(tmp_path):
     for i, v in enumerate(vecs):
         card = card_from_trajectory(_traj(["x"], variation=i), stage=0, outline="1. x")
         rows.append({**card.model_dump(), "vector": v})
-    store = MemoryStore(str(tmp_path / "mem"), dim=32, index_threshold=500, nprobes=24, refine_factor=20)
+    store = MemoryStore(
+        str(tmp_path / "mem"),
+        dim=32,
+        index_threshold=500,
+        index_type=index_type,
+        nprobes=24,
+        refine_factor=20,
+    )
+    for i, row in enumerate(rows):
+        row["stage"] = i % 3
     store.add(rows[:400])
     assert store.ensure_index() is False and not store.indexed()  # below the threshold: exact
     queries = vecs[:50] + 0.05 * rng.normal(size=(50, 32)).astype(np.float32)
@@ -246,9 +256,17 @@ def test_index_switch_keeps_results(tmp_path):
     approx = [[c.id for c, _ in h] for h in store.search(queries, k=3)]
     recall = np.mean([len(set(a) & set(e)) / 3 for a, e in zip(approx, exact)])
     assert recall >= 0.9, recall
+    # search prefilters on released and stage: both carry scalar indices, not a scan per query
+    scalar = {tuple(i.columns): i.index_type for i in store._open().list_indices()}
+    assert scalar[("released",)] == "Bitmap" and scalar[("stage",)] == "BTree", scalar
+    early = store.search(queries, k=3, max_stage=0)
+    assert all(c.stage == 0 for h in early for c, _ in h) and all(len(h) == 3 for h in early)
     store.release([exact[0][0]])
     assert exact[0][0] not in {c.id for c, _ in store.search(queries[:1], k=3)[0]}
     assert store.ensure_index() is True  # already indexed: folds new rows in
+    assert exact[0][0] not in {c.id for c, _ in store.search(queries[:1], k=3)[0]}
+    with pytest.raises(ValueError, match="index_type 'hnsw'"):
+        MemoryStore(str(tmp_path / "other"), dim=32, index_type="hnsw")
 
 
 @pytest.fixture(scope="module")
