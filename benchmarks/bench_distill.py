@@ -84,7 +84,13 @@ def main() -> None:
 
     logging.basicConfig(level=logging.WARNING)
     trajs = trajectories(args.n)
-    ray.init(num_cpus=args.cpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=args.cpus,
+        include_dashboard=False,
+        configure_logging=False,
+        log_to_driver=False,
+    )
     ray.data.DataContext.get_current().enable_progress_bars = False
     t_plain = plain_loop(trajs, args.batch)
     t_ours = pipeline(trajs, args.batch, args.actors)

@@ -112,7 +112,12 @@ def main() -> int:
         from hamo_ray.envs.textworld import default_games_dir, pregenerate
 
         pregenerate(Path(env_cfg.textworld_games_dir or default_games_dir()), games)
-    ray.init(num_cpus=max(8, 2 * (os.cpu_count() or 1)), include_dashboard=False, configure_logging=False)
+    ray.init(
+        address="local",
+        num_cpus=max(8, 2 * (os.cpu_count() or 1)),
+        include_dashboard=False,
+        configure_logging=False,
+    )
     serve_cfg = ServeConfig(port=args.port, app_name="hamo-bench-rollout", max_num_seqs=max(args.concurrency))
     url = start_policy_server(
         model, ModelConfig(max_model_len=1024), serve_cfg, adapter_root="/tmp/hamo-bench-rollout"

@@ -112,7 +112,9 @@ def _ours(base: Path, adapter: Path, model_cfg: ModelConfig, serve_cfg: ServeCon
 
     from hamo_ray.serving import publish_adapter, shutdown_policy_server, start_policy_server
 
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False
+    )
     try:
         url = start_policy_server(base, model_cfg, serve_cfg, adapter.parent)
         publish_adapter(url, "bench-lora", adapter.name, serve_cfg.probe_prompt, serve_cfg.probe_tokens)

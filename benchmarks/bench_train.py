@@ -95,7 +95,13 @@ def main() -> None:
 
         data = examples(args.n, AutoConfig.from_pretrained(base).vocab_size)
         t_plain, tok_plain, pad_plain = plain_loop(base, data, args.batch, 2e-4, args.cpus)
-        ray.init(num_cpus=args.cpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=args.cpus,
+            include_dashboard=False,
+            configure_logging=False,
+            log_to_driver=False,
+        )
         tcfg = TrainConfig(num_workers=args.workers, strategy=args.strategy, target_modules=TARGETS)
         start = time.perf_counter()
         result = train_model(

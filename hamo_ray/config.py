@@ -268,6 +268,9 @@ class TrainConfig(_Cfg):
     bucket_pool: int = 50  # length bucketing: sort pools of bucket_pool * batch_size examples by length
 
 
+STORE_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "hdfs", "viewfs", "file")  # what pyarrow.fs opens
+
+
 class ServeConfig(_Cfg):
     host: str = "127.0.0.1"
     port: int = 8000
@@ -291,11 +294,21 @@ class ServeConfig(_Cfg):
     api_key: str | None = None  # bearer token required on every route; None: open
     max_request_bytes: int = 1_000_000  # larger bodies get 413
     max_tokens_limit: int = 4096  # a request asking for more max_tokens gets 400
-    # Adapters: None = the run folder's adapters/; else a folder every node sees (NFS, a mounted
-    # bucket) holding the stage folders; object-store URIs are not read directly (README: Serving).
+    # Adapters: None = the run folder's adapters/; else a folder every node sees (NFS) holding the
+    # stage folders, or an object-store URI (s3://bucket/prefix?region=..., gs://..., file://...):
+    # the stream and jobs/serve.py upload stage adapters there, each replica downloads what it serves.
     adapter_store: str | None = None
     poll_interval_s: float = 5.0  # jobs/serve.py: how often state.json is read for new stages
     harness_num_cpus: float = 0.25
+
+    @model_validator(mode="after")
+    def _check_store(self) -> ServeConfig:
+        store = self.adapter_store
+        if store and "://" in store and store.split("://", 1)[0] not in STORE_SCHEMES:
+            raise ValueError(
+                f"serve.adapter_store {store!r}: scheme must be one of {', '.join(STORE_SCHEMES)} (or a local path)"
+            )
+        return self
 
 
 class RolloutConfig(_Cfg):

@@ -92,6 +92,7 @@ class Stream:
         self._pools: dict = {}
         self._owns_server = True
         self._harness_app: str | None = None
+        self._store = None  # an object-store adapter_store: adapters are uploaded, replicas fetch them
 
     # -- the whole run -------------------------------------------------------------------------
     @property
@@ -162,8 +163,10 @@ class Stream:
             # Logical CPUs, oversubscribed: rollout actors, the harness and idle Serve replicas hold
             # CPU shares while they mostly wait; with only the physical count, a cross-domain stream's
             # actors leave no room for the embedding actor and the pipeline stalls.
+            # address="local": a Ray of our own even when `ray start` runs a cluster on this machine
+            # (joining it takes ray.address=auto or RAY_ADDRESS, as `ray job submit` sets).
             cpus = self.cfg.ray.num_cpus or max(8, 4 * (os.cpu_count() or 1))
-            ray.init(num_cpus=cpus, include_dashboard=False, configure_logging=False)
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, configure_logging=False)
 
     def _pool(self, domain: str):
         if domain not in self._pools:
@@ -200,14 +203,19 @@ class Stream:
 
         from hamo_ray.serving import start_policy_server, wait_healthy
         from hamo_ray.serving.harness import build_harness_app
+        from hamo_ray.serving.objstore import ObjectStore, is_uri
 
         cfg = self.cfg
         if base_url is None:
+            adapter_root = str(self.folder.adapters_dir)
+            if is_uri(cfg.serve.adapter_store):  # replicas on any node download from the store
+                self._store = ObjectStore(cfg.serve.adapter_store)
+                adapter_root = cfg.serve.adapter_store
             base_url = start_policy_server(
                 model_path,
                 cfg.model,
                 cfg.serve,
-                adapter_root=str(self.folder.adapters_dir),
+                adapter_root=adapter_root,
                 max_lora_rank=cfg.serve.max_lora_rank,
             )
         else:
@@ -245,6 +253,10 @@ class Stream:
     def _publish(self, base_url: str, name: str, path: Path) -> dict:
         from hamo_ray.serving import publish_adapter
 
+        if self._store is not None:  # upload once (names are never reused), publish the store path
+            if not self._store.exists(path.name):
+                self._store.upload(path, path.name)
+            path = Path(path.name)
         return publish_adapter(
             base_url, name, str(path), self.cfg.serve.probe_prompt, self.cfg.serve.probe_tokens
         )

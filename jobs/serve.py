@@ -4,7 +4,9 @@ On this machine (starts a local Ray; Ctrl-C stops it)::
 
     python jobs/serve.py --run runs/tiny-hamo-s0 [--stage 2] [--port 8000] [--api-key KEY] [serve.x=y ...]
 
-Against a running cluster (the run folder, or ``serve.adapter_store``, on storage every node sees)::
+Against a running cluster (the run folder, or ``serve.adapter_store``, on storage every node sees;
+the store may be an object-store URI such as ``s3://bucket/adapters``: the run's stage adapters
+missing there are uploaded, and every replica downloads what it serves)::
 
     ray job submit --working-dir . -- python jobs/serve.py --run /shared/runs/tiny-hamo-s0 serve.host=0.0.0.0
 
@@ -75,7 +77,8 @@ def _start_ray(cfg: HamoConfig) -> bool:
         ray.init(address=address, configure_logging=False)
         return False
     cpus = cfg.ray.num_cpus or max(4, 2 * (os.cpu_count() or 1))
-    ray.init(num_cpus=cpus, include_dashboard=False, configure_logging=False)
+    # address="local": our own Ray even when `ray start` runs a cluster here (join it: ray.address=auto)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, configure_logging=False)
     return True
 
 
@@ -88,8 +91,18 @@ class RunServer:
         self.folder = RunFolder(run, cfg)
         self.cfg = cfg
         self.max_stage = max_stage
+        from hamo_ray.serving.objstore import ObjectStore, ObjectStoreError, is_uri
+
         store = cfg.serve.adapter_store
-        self.adapter_root = Path(store).expanduser().resolve() if store else self.folder.adapters_dir
+        self.remote = None
+        if is_uri(store):  # replicas download from the store; missing stages are uploaded first
+            try:
+                self.remote = ObjectStore(store)
+            except ObjectStoreError as exc:
+                raise ConfigError(f"serve.adapter_store: {exc}") from None
+            self.adapter_root: str | Path = store
+        else:
+            self.adapter_root = Path(store).expanduser().resolve() if store else self.folder.adapters_dir
         self.served: dict[int, str] = {}
         self.failed: set[int] = set()
         self.url = ""
@@ -146,8 +159,8 @@ class RunServer:
                 continue
             if self.max_stage is not None and stage > self.max_stage:
                 continue
-            path = self.adapter_root / Path(result.adapter).name
             try:
+                path = self._adapter_path(result.adapter)
                 info = publish_adapter(
                     self.url,
                     result.adapter_name,
@@ -159,13 +172,31 @@ class RunServer:
             except AdapterNotLiveError:
                 if strict:
                     raise
-                logger.exception("stage %d adapter %s not published", stage, path)
+                logger.exception("stage %d adapter %s not published", stage, result.adapter)
                 self.failed.add(stage)
                 continue
             self.served[stage] = result.adapter_name
             published.append(result.adapter_name)
             logger.info("published stage %d as %r (%s)", stage, result.adapter_name, info["status"])
         return published
+
+    def _adapter_path(self, adapter: str) -> str:
+        """The path a replica loads a stage's adapter from: in the store (uploaded if missing), or local."""
+        from hamo_ray.serving import AdapterNotLiveError
+        from hamo_ray.serving.objstore import ObjectStoreError
+
+        name = Path(adapter).name
+        if self.remote is None:
+            return str(Path(self.adapter_root) / name)
+        local = self.folder.path / adapter
+        try:
+            if not self.remote.exists(name):
+                if not local.is_dir():
+                    raise AdapterNotLiveError(f"{name} is neither in the adapter store nor at {local}")
+                self.remote.upload(local, name)
+        except (ObjectStoreError, OSError) as exc:
+            raise AdapterNotLiveError(f"cannot put {local} into serve.adapter_store: {exc}") from exc
+        return name
 
     def current(self) -> str:
         return self.served[max(self.served)] if self.served else self.cfg.model.name

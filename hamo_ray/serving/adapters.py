@@ -8,6 +8,10 @@ identifies one set of weights for the whole run.
 The registry is also written to ``<root>/served_adapters.json`` so that every replica of the
 deployment (and a replica Serve restarted) serves the same names: a replica that does not know a
 requested name re-reads the file before answering 404.
+
+The root may also be an object-store URI (``hamo_ray.serving.objstore``: ``s3://``, ``gs://``,
+``file://``...). Paths are then relative to the store; each replica downloads a requested adapter
+into its local cache before checking and loading it, and the registry file lives in the store.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import logging
 import os
 import re
 from pathlib import Path
+
+from hamo_ray.serving.objstore import ObjectStore, ObjectStoreError, default_cache, is_uri
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +43,15 @@ class AdapterRegistry:
     """Name -> adapter folder for one adapter root, persisted to ``served_adapters.json``.
 
     Args:
-        root: the adapter root; created if missing.
+        root: the adapter root (created if missing), or an object-store URI.
         reserved: names that cannot be used (the base model's served name).
         max_lora_rank: the engine's ``max_lora_rank``; adapters of a larger rank are rejected.
     """
 
     def __init__(self, root: str | Path, reserved: set[str], max_lora_rank: int):
-        self.root = Path(root).expanduser().resolve()
+        self.remote = ObjectStore(str(root)) if is_uri(root) else None
+        local = default_cache(str(root)) if self.remote else Path(root).expanduser()
+        self.root = local.resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.reserved = set(reserved)
         self.max_lora_rank = max_lora_rank
@@ -65,6 +73,13 @@ class AdapterRegistry:
         """
         if not path or ".." in Path(path).parts:
             raise AdapterError(400, f"lora_path {path!r} must not be empty or contain '..'")
+        if self.remote is not None:  # a path in the store: download it into the local cache first
+            try:
+                path = str(self.remote.fetch(path, self.root))
+            except ObjectStoreError as exc:
+                raise AdapterError(400, f"lora_path {path!r}: {exc}") from None
+            except OSError as exc:
+                raise AdapterError(400, f"lora_path {path!r}: cannot read the adapter store: {exc}") from None
         candidate = Path(path).expanduser()
         resolved = (candidate if candidate.is_absolute() else self.root / candidate).resolve()
         if resolved == self.root or not resolved.is_relative_to(self.root):
@@ -110,27 +125,25 @@ class AdapterRegistry:
         self._paths[name] = path
         if not persist:
             return
-        file = self.root / REGISTRY_FILE
+        # In a store, entries are store paths: each replica's cache is its own.
+        entry = path.relative_to(self.root).as_posix() if self.remote else str(path)
         try:
             on_disk = self._read()
-            on_disk[name] = str(path)
-            tmp = file.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(on_disk, indent=1, sort_keys=True))
-            os.replace(tmp, file)
-            self._mtime = file.stat().st_mtime
+            on_disk[name] = entry
+            self._write(on_disk)
         except OSError as exc:
-            logger.warning("could not write %s (other replicas will not see %r): %s", file, name, exc)
+            logger.warning("could not write the registry (other replicas will not see %r): %s", name, exc)
 
     def sync(self) -> list[tuple[str, Path]]:
         """Entries other replicas added to the registry file since the last look, still valid on disk."""
-        file = self.root / REGISTRY_FILE
-        try:
-            mtime = file.stat().st_mtime
-        except OSError:
-            return []
-        if mtime == self._mtime:
-            return []
-        self._mtime = mtime
+        if self.remote is None:  # a local file: read it again only when it changed
+            try:
+                mtime = (self.root / REGISTRY_FILE).stat().st_mtime
+            except OSError:
+                return []
+            if mtime == self._mtime:
+                return []
+            self._mtime = mtime
         new = []
         for name, path in self._read().items():
             if name in self._paths:
@@ -145,7 +158,22 @@ class AdapterRegistry:
 
     def _read(self) -> dict[str, str]:
         try:
-            data = json.loads((self.root / REGISTRY_FILE).read_text())
+            if self.remote is not None:
+                text = self.remote.read_text(REGISTRY_FILE) or "{}"
+            else:
+                text = (self.root / REGISTRY_FILE).read_text()
+            data = json.loads(text)
         except (OSError, ValueError):
             return {}
         return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+    def _write(self, entries: dict[str, str]) -> None:
+        text = json.dumps(entries, indent=1, sort_keys=True)
+        if self.remote is not None:
+            self.remote.write_text(REGISTRY_FILE, text)
+            return
+        file = self.root / REGISTRY_FILE
+        tmp = file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, file)
+        self._mtime = file.stat().st_mtime

@@ -54,6 +54,7 @@ from hamo_ray.serving import protocol as oa
 from hamo_ray.serving.adapters import AdapterError, AdapterRegistry
 from hamo_ray.serving.engine import DEFAULT_MAX_LORA_RANK, build_engine
 from hamo_ray.serving.guard import GuardMiddleware, configure_guard
+from hamo_ray.serving.objstore import is_uri
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,8 @@ class PolicyServer:
         model_path: local HF folder (or hub id) of the base model (weights + tokenizer).
         model_cfg: served name, dtype, context length.
         serve_cfg: engine sizing (see ``hamo_ray.serving.engine``).
-        adapter_root: the folder every adapter must lie in (a run folder's ``adapters/``).
+        adapter_root: the folder every adapter must lie in (a run folder's ``adapters/``), or an
+            object-store URI whose adapters each replica downloads (``hamo_ray.serving.objstore``).
         max_lora_rank: the largest adapter rank accepted.
         instance: an id ``GET /health`` reports, so a client knows it reached this deployment and
             not another server on the same port.
@@ -446,7 +448,7 @@ def build_app(
         str(model_path),
         model_cfg,
         serve_cfg,
-        str(Path(adapter_root).expanduser()),
+        str(adapter_root) if is_uri(adapter_root) else str(Path(adapter_root).expanduser()),
         max_lora_rank,
         instance,
         harness_app,

@@ -25,6 +25,7 @@ import httpx
 
 from hamo_ray.config import ModelConfig, PromptConfig, ServeConfig
 from hamo_ray.serving.engine import DEFAULT_MAX_LORA_RANK
+from hamo_ray.serving.objstore import is_uri
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,8 @@ def start_policy_server(
         model_path: local HF folder (or hub id) of the base model, served as ``model_cfg.name``.
         model_cfg: served name, dtype, context length.
         serve_cfg: replicas, resources and engine sizing.
-        adapter_root: the folder adapters are published from (created if missing).
+        adapter_root: the folder adapters are published from (created if missing), or an
+            object-store URI (``s3://bucket/prefix``...; publish paths are then relative to it).
         max_lora_rank: the largest adapter rank the engine accepts.
         timeout_s: how long to wait for the endpoint to become healthy.
         harness_app: a running harness application for ``hamo`` injection requests (see ``app``).
@@ -119,7 +121,8 @@ def start_policy_server(
     from hamo_ray.serving.app import build_app
 
     t0 = time.monotonic()
-    Path(adapter_root).expanduser().mkdir(parents=True, exist_ok=True)
+    if not is_uri(adapter_root):
+        Path(adapter_root).expanduser().mkdir(parents=True, exist_ok=True)
     serve.start(http_options={"host": serve_cfg.host, "port": serve_cfg.port})
     instance = uuid.uuid4().hex
     app = build_app(

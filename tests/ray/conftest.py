@@ -13,6 +13,7 @@ def ray_session():
 
     if not ray.is_initialized():
         ray.init(
+            address="local",  # never a `ray start` cluster that may run on this machine
             num_cpus=int(os.environ.get("HAMO_TEST_RAY_CPUS", "8")),
             include_dashboard=False,
             log_to_driver=True,

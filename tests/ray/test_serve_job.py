@@ -7,6 +7,10 @@ tests check the models listed, chat and streaming, 401/404/413/400 answers, the 
 ``hamo`` injection (the prompt equals ``prompting.first_user_message`` of the cards returned), and
 that a stage committed while the job runs becomes servable without a restart.
 
+The adapters go through an object store: ``serve.adapter_store`` is an ``s3://`` URI on a real S3
+protocol server (moto, on a local port). The job uploads the run's stage folders there and the
+replica downloads them into its own cache (``HAMO_ADAPTER_CACHE``), as replicas on other nodes would.
+
     pytest tests/ray/test_serve_job.py -x -q
 """
 
@@ -94,8 +98,33 @@ def _cards(memory: Path) -> None:
     MemoryStore(str(memory), "cards").add(rows)
 
 
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+
+
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
+def adapter_store():
+    """An ``s3://`` adapter store URI on a moto S3 server (its bucket created)."""
+    from moto.server import ThreadedMotoServer
+
+    from hamo_ray.serving.objstore import ObjectStore
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    query = f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+    saved = {k: os.environ.get(k) for k in S3_ENV}
+    os.environ.update(S3_ENV)
+    try:
+        ObjectStore(f"s3://hamo-adapters?{query}&allow_bucket_creation=true").fs.create_dir("hamo-adapters")
+        yield f"s3://hamo-adapters/serve-job?{query}"
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, adapter_store) -> Path:
     from hamo_ray.training.tiny_lm import make_random_backbone
 
     root = tmp_path_factory.mktemp("serve_job")
@@ -114,6 +143,7 @@ def run_dir(tmp_path_factory) -> Path:
             "poll_interval_s": 1.0,
             "max_request_bytes": 100_000,
             "max_tokens_limit": 64,
+            "adapter_store": adapter_store,
         },
         "ray": {"num_cpus": 4},
     }
@@ -129,6 +159,7 @@ def job(run_dir):
     log = open(run_dir.parent / "serve.log", "w")  # noqa: SIM115 (closed at teardown)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["HAMO_API_KEY"] = KEY
+    env.update(S3_ENV, HAMO_ADAPTER_CACHE=str(run_dir.parent / "replica-cache"))
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "jobs" / "serve.py"), "--run", str(run_dir)],
         stdout=log,
@@ -251,3 +282,14 @@ def test_stage_committed_while_serving_becomes_usable(client, run_dir):
         model="stage-2", messages=[{"role": "user", "content": "open door"}], max_tokens=4
     )
     assert r.model == "stage-2"
+
+
+def test_adapters_went_through_the_object_store(client, run_dir, adapter_store):
+    from hamo_ray.serving.objstore import ObjectStore
+
+    assert {"stage-1", "stage-2"} <= {m.id for m in client.models.list().data}
+    store = ObjectStore(adapter_store)
+    assert store.exists("stage-1") and store.exists("stage-2")
+    assert json.loads(store.read_text("served_adapters.json")) == {"stage-1": "stage-1", "stage-2": "stage-2"}
+    cached = {p.name for p in (run_dir.parent / "replica-cache").glob("*/*") if p.is_dir()}
+    assert cached == {"stage-1", "stage-2"}  # the replica loaded its downloads, not the run folder

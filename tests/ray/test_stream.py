@@ -30,7 +30,14 @@ def finished_run(ray_session, tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     cfg = load_config(
         "jobs/configs/tiny.yaml",
-        [*OVERRIDES, f"run.root={root}", "run.id=t", f"backbone.cache_dir={root / 'backbones'}"],
+        [
+            *OVERRIDES,
+            f"run.root={root}",
+            "run.id=t",
+            f"backbone.cache_dir={root / 'backbones'}",
+            # adapters reach the replica through an object-store URI (file://: same code as s3://)
+            f"serve.adapter_store=file://{root / 'store'}",
+        ],
     )
     results = Stream(cfg).run()
     return cfg, root / "t", results
@@ -82,6 +89,16 @@ def test_adapters_load_in_peft(finished_run):
         base = AutoModelForCausalLM.from_pretrained(backbone_path(cfg))
         model = PeftModel.from_pretrained(base, run / r.adapter)
         assert any("lora_A" in n for n, _ in model.named_parameters())
+
+
+def test_adapters_went_through_the_store(finished_run):
+    from hamo_ray.serving.objstore import ObjectStore
+
+    cfg, run, results = finished_run
+    store = ObjectStore(cfg.serve.adapter_store)
+    names = {r.adapter_name: r.adapter.split("/")[-1] for r in results}
+    assert all(store.exists(folder) for folder in names.values())
+    assert json.loads(store.read_text("served_adapters.json")) == names
 
 
 def test_resubmitting_a_finished_run_does_nothing_and_no_resume_refuses(finished_run):
