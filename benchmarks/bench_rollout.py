@@ -44,7 +44,12 @@ def sequential(domain, tasks, spec: PolicySpec, pcfg: PromptConfig, max_turns: i
                     "temperature": spec.temperature,
                     "max_tokens": spec.max_tokens,
                 }
-                reply = http.post(f"{spec.base_url}/v1/chat/completions", json=body).json()
+                response = http.post(f"{spec.base_url}/v1/chat/completions", json=body)
+                if response.status_code != 200:
+                    raise RuntimeError(
+                        f"policy endpoint answered {response.status_code}: {response.text[:300]}"
+                    )
+                reply = response.json()
                 tokens += reply["usage"]["completion_tokens"]
                 action = clean_action(reply["choices"][0]["message"]["content"] or "")
                 step = env.step(action)
@@ -120,7 +125,7 @@ def main() -> int:
     )
     serve_cfg = ServeConfig(port=args.port, app_name="hamo-bench-rollout", max_num_seqs=max(args.concurrency))
     url = start_policy_server(
-        model, ModelConfig(max_model_len=1024), serve_cfg, adapter_root="/tmp/hamo-bench-rollout"
+        model, ModelConfig(max_model_len=2048), serve_cfg, adapter_root="/tmp/hamo-bench-rollout"
     )
     spec = PolicySpec(base_url=url, model="base", temperature=0.7, max_tokens=16, seed=0)
     rows = []
