@@ -253,9 +253,8 @@ class Stream:
     def _publish(self, base_url: str, name: str, path: Path) -> dict:
         from hamo_ray.serving import publish_adapter
 
-        if self._store is not None:  # upload once (names are never reused), publish the store path
-            if not self._store.exists(path.name):
-                self._store.upload(path, path.name)
+        if self._store is not None:  # upload unless the store holds the same files; publish its path
+            self._store.put(path, path.name)
             path = Path(path.name)
         return publish_adapter(
             base_url, name, str(path), self.cfg.serve.probe_prompt, self.cfg.serve.probe_tokens

@@ -190,10 +190,10 @@ class RunServer:
             return str(Path(self.adapter_root) / name)
         local = self.folder.path / adapter
         try:
-            if not self.remote.exists(name):
-                if not local.is_dir():
-                    raise AdapterNotLiveError(f"{name} is neither in the adapter store nor at {local}")
-                self.remote.upload(local, name)
+            if local.is_dir():  # uploaded unless the store holds the same files
+                self.remote.put(local, name)
+            elif not self.remote.exists(name):
+                raise AdapterNotLiveError(f"{name} is neither in the adapter store nor at {local}")
         except (ObjectStoreError, OSError) as exc:
             raise AdapterNotLiveError(f"cannot put {local} into serve.adapter_store: {exc}") from exc
         return name

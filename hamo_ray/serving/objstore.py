@@ -6,13 +6,15 @@ On a cluster every policy replica must read every stage's adapter. Instead of a 
 MinIO or another S3-compatible store) and credentials come from the usual places (``AWS_*``
 environment variables, instance roles, ``GOOGLE_APPLICATION_CREDENTIALS``).
 
-A publisher uploads a stage folder once (``upload``); each replica downloads what it is asked to
-serve into a local cache (``fetch``), so vLLM loads from local disk. Adapter folders are immutable
-under their names: a folder already in the cache is not fetched again. A folder without its
+A publisher puts a stage folder there (``put``: uploaded unless the store already holds the same
+content); each replica downloads what it is asked to serve into a local cache (``fetch``), so vLLM
+loads from local disk. Every upload records a digest of the folder's files (``.hamo-digest``): a
+cached copy is reused only while its digest equals the store's, so a stage that was redone after a
+crash (same folder name, new weights) is never served stale. A folder without its
 ``adapter_config.json`` is incomplete: the upload writes that file last, and a fetch refuses it.
 
     store = ObjectStore("s3://bucket/run-7/adapters")
-    store.upload("runs/run-7/adapters/stage-1", "stage-1")
+    store.put("runs/run-7/adapters/stage-1", "stage-1")
     local = store.fetch("stage-1", Path("~/.cache/hamo_ray/adapters").expanduser())
 """
 
@@ -28,6 +30,7 @@ from pathlib import Path, PurePosixPath
 logger = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
+DIGEST_FILE = ".hamo-digest"  # sha256 of the folder's other files, written by every upload
 CACHE_ENV = "HAMO_ADAPTER_CACHE"  # where replicas keep downloaded adapters
 
 
@@ -44,6 +47,18 @@ def default_cache(uri: str) -> Path:
 
 class ObjectStoreError(Exception):
     """The store cannot be opened, or an object is missing or incomplete."""
+
+
+def folder_digest(folder: Path) -> str:
+    """sha256 over the relative paths and bytes of a folder's files (the digest file excluded)."""
+    h = hashlib.sha256()
+    for file in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != DIGEST_FILE):
+        h.update(file.relative_to(folder).as_posix().encode() + b"\0")
+        with file.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        h.update(b"\0")
+    return h.hexdigest()
 
 
 def check_relative(rel: str) -> str:
@@ -89,25 +104,39 @@ class ObjectStore:
         return info.type == pafs.FileType.File
 
     def upload(self, local_dir: str | Path, rel: str) -> None:
-        """Copy a local adapter folder to ``rel``; ``adapter_config.json`` goes last (it marks completeness).
+        """Copy a local adapter folder to ``rel``: its files, the digest, ``adapter_config.json`` last.
 
         Raises:
             ObjectStoreError: ``local_dir`` holds no ``adapter_config.json``.
         """
         local = Path(local_dir)
-        files = sorted(p for p in local.rglob("*") if p.is_file())
         if not (local / ADAPTER_CONFIG).is_file():
             raise ObjectStoreError(f"{str(local)!r} holds no {ADAPTER_CONFIG} (not a peft adapter)")
+        files = sorted(
+            p for p in local.rglob("*") if p.is_file() and p.name not in (DIGEST_FILE, ADAPTER_CONFIG)
+        )
         dest = self._path(rel)
         self.fs.create_dir(dest, recursive=True)
-        # adapter_config.json last: a folder without it is incomplete (an upload cut short).
-        for file in sorted(files, key=lambda p: p == local / ADAPTER_CONFIG):
-            rel_file = file.relative_to(local)
-            if rel_file.parent != Path("."):
-                self.fs.create_dir(f"{dest}/{rel_file.parent.as_posix()}", recursive=True)
-            with file.open("rb") as src, self.fs.open_output_stream(f"{dest}/{rel_file.as_posix()}") as out:
-                shutil.copyfileobj(src, out, 1 << 20)
-        logger.info("uploaded adapter %s to %s/%s (%d files)", local, self.uri, rel, len(files))
+        for file in files:
+            self._put_file(file, f"{dest}/{file.relative_to(local).as_posix()}")
+        # The digest, then the config: a folder without its config is an upload cut short.
+        self.write_text(f"{rel}/{DIGEST_FILE}", folder_digest(local))
+        self._put_file(local / ADAPTER_CONFIG, f"{dest}/{ADAPTER_CONFIG}")
+        logger.info(
+            "uploaded adapter %s to %s/%s (%d files)", local, self.uri.split("?")[0], rel, len(files) + 1
+        )
+
+    def put(self, local_dir: str | Path, rel: str) -> bool:
+        """Upload ``local_dir`` to ``rel`` unless the store holds the same content there; True if uploaded."""
+        if self.exists(rel) and self.read_text(f"{rel}/{DIGEST_FILE}") == folder_digest(Path(local_dir)):
+            return False
+        self.upload(local_dir, rel)
+        return True
+
+    def _put_file(self, file: Path, path: str) -> None:
+        self.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        with file.open("rb") as src, self.fs.open_output_stream(path) as out:
+            shutil.copyfileobj(src, out, 1 << 20)
 
     def fetch(self, rel: str, cache: Path) -> Path:
         """The local copy of the adapter folder ``rel``, downloaded into ``cache`` if not there yet.
@@ -119,12 +148,22 @@ class ObjectStore:
 
         rel = check_relative(rel)
         target = cache / rel
-        if (target / ADAPTER_CONFIG).is_file():
-            return target
         if not self.exists(rel):
             raise ObjectStoreError(
                 f"no adapter at {self.uri.split('?')[0].rstrip('/')}/{rel} (no {ADAPTER_CONFIG})"
             )
+        digest = self.read_text(f"{rel}/{DIGEST_FILE}")
+        if (target / ADAPTER_CONFIG).is_file():
+            cached = target / DIGEST_FILE
+            if digest is not None and cached.is_file() and cached.read_text() == digest:
+                return target
+            # Stale (the stage was redone) or unverifiable: move it aside, download again.
+            stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale.", dir=target.parent))
+            try:
+                os.replace(target, stale / "old")
+            except FileNotFoundError:  # another replica on this machine moved it first
+                pass
+            shutil.rmtree(stale, ignore_errors=True)
         target.parent.mkdir(parents=True, exist_ok=True)
         # Download beside the target, then rename: a reader never sees half a folder.
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))

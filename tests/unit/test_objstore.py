@@ -68,8 +68,23 @@ def test_upload_fetch_and_cache(store_uri, tmp_path):
     assert (got / "adapter_model.safetensors").read_bytes() == b"\x01\x02" * 1000
     assert (got / "sub" / "note.txt").read_text() == "nested files travel too"
     assert not [p for p in got.parent.iterdir() if p.name.startswith(".")]  # no download leftovers
-    (got / "adapter_model.safetensors").write_bytes(b"cached")  # a second fetch reuses the cache
-    assert (store.fetch("stage-1", tmp_path / "c1") / "adapter_model.safetensors").read_bytes() == b"cached"
+    (got / "sub" / "note.txt").write_text("touched")  # an unchanged store: the cached copy is reused
+    assert (store.fetch("stage-1", tmp_path / "c1") / "sub" / "note.txt").read_text() == "touched"
+    assert store.put(local, "stage-1") is False  # same files: nothing uploaded
+
+
+def test_a_redone_stage_is_never_served_stale(store_uri, tmp_path):
+    """Crash after publishing stage-2, redo it (same folder name, new weights): the store and every
+    replica's cache move to the new weights."""
+    store = ObjectStore(store_uri)
+    first = _adapter(tmp_path / "attempt-1" / "stage-2", weights=b"old" * 100)
+    assert store.put(first, "stage-2") is True
+    assert (store.fetch("stage-2", tmp_path / "c") / "adapter_model.safetensors").read_bytes() == b"old" * 100
+    redone = _adapter(tmp_path / "attempt-2" / "stage-2", weights=b"new" * 100)
+    assert store.put(redone, "stage-2") is True
+    got = store.fetch("stage-2", tmp_path / "c")
+    assert (got / "adapter_model.safetensors").read_bytes() == b"new" * 100
+    assert not [p for p in got.parent.iterdir() if p.name.startswith(".")]  # the stale copy is gone
     assert store.read_text("missing.json") is None
     store.write_text("x/notes.json", '{"a": 1}')
     assert json.loads(store.read_text("x/notes.json")) == {"a": 1}
