@@ -91,6 +91,65 @@ async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(oa.APIError(500, f"{type(exc).__name__}: {exc}").body(), status_code=500)
 
 
+RUNNING = "vllm:num_requests_running"
+RUNNING_PEAK = "hamo:num_requests_running_peak"
+
+
+class RunningPeak:
+    """The highest value of vLLM's running-requests gauge seen since the replica started.
+
+    While requests are in flight, a background task reads the gauge from this process's Prometheus
+    registry every ``interval_s``. ``/metrics`` reports the peak (``hamo:num_requests_running_peak``),
+    so a client that polls after a burst still sees how many requests the engine ran together;
+    polls during the burst would queue behind it.
+    """
+
+    def __init__(self, interval_s: float = 0.02):
+        self.interval_s = interval_s
+        self.inflight = 0
+        self.peak = 0.0
+        self._task: asyncio.Task | None = None
+
+    def enter(self) -> None:
+        self.inflight += 1
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    def exit(self) -> None:
+        self.inflight -= 1
+
+    @staticmethod
+    def current() -> float | None:
+        """vLLM's running-requests gauge in this process (None where it is not registered)."""
+        from prometheus_client import REGISTRY
+
+        collector = getattr(REGISTRY, "_names_to_collectors", {}).get(RUNNING)
+        if collector is None:
+            return None
+        values = [s.value for metric in collector.collect() for s in metric.samples if s.name == RUNNING]
+        return max(values) if values else None
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            if self.inflight:
+                try:
+                    value = self.current()
+                except Exception:  # another prometheus_client or vLLM layout: no peak, no harm
+                    logger.debug("cannot read %s", RUNNING, exc_info=True)
+                    return
+                if value is not None:
+                    self.peak = max(self.peak, value)
+
+    def text(self, model: str) -> str:
+        """The peak as Prometheus exposition text."""
+        return (
+            f"# HELP {RUNNING_PEAK} Highest {RUNNING} seen while requests were in flight.\n"
+            f"# TYPE {RUNNING_PEAK} gauge\n"
+            f'{RUNNING_PEAK}{{model_name="{model}"}} {self.peak}\n'
+        )
+
+
 def _engine_error(exc: Exception) -> oa.APIError:
     """Map an exception from the engine to the HTTP error to answer."""
     status = getattr(exc, "http_status", None)
@@ -158,6 +217,7 @@ class PolicyServer:
         self._loras: dict[str, Any] = {}  # name -> vllm LoRARequest
         self._next_lora_id = 1
         self._load_lock = asyncio.Lock()
+        self._running = RunningPeak()
         self._engine = build_engine(self._model_path, model_cfg, serve_cfg, max_lora_rank=max_lora_rank)
         self._adopt_registered()
 
@@ -270,7 +330,8 @@ class PolicyServer:
         """This replica's Prometheus metrics: vLLM's (``vllm:num_requests_running``, ...) and Python's."""
         from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-        return PlainTextResponse(generate_latest(REGISTRY).decode(), media_type=CONTENT_TYPE_LATEST)
+        text = generate_latest(REGISTRY).decode() + self._running.text(self._base)
+        return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
 
     async def _inject(self, hamo: oa.HamoInjection) -> tuple[list[dict[str, str]], dict[str, Any]]:
         """The training-format messages for a ``hamo`` request, and what was injected."""
@@ -366,11 +427,14 @@ class PolicyServer:
                 self._stream(gen, body, rid, len(ids), chat, extra), media_type="text/event-stream"
             )
         final = None
+        self._running.enter()
         try:
             async for out in gen:
                 final = out
         except Exception as exc:
             raise _engine_error(exc) from exc
+        finally:
+            self._running.exit()
         output = final.outputs[0]
         k, as_ids = body.num_logprobs(), body.return_tokens_as_token_ids
         if chat:
@@ -384,30 +448,34 @@ class PolicyServer:
     async def _stream(
         self, gen, body, rid: str, prompt_len: int, chat: bool, extra: dict[str, Any] | None = None
     ) -> AsyncIterator[str]:
-        created, n_tokens, offset, first = oa.now(), 0, 0, True
-        k, as_ids = body.num_logprobs(), body.return_tokens_as_token_ids
+        self._running.enter()
         try:
-            async for out in gen:
-                delta = out.outputs[0]
-                n_tokens += len(delta.token_ids)
-                if chat:
-                    logprobs = oa.chat_logprobs(delta, k, as_ids)
-                else:
-                    logprobs = oa.completion_logprobs(delta, k, as_ids, offset)
-                    offset += len(delta.text)
-                piece = oa.chunk(
-                    chat, rid, body.model, created, delta.text, delta.finish_reason, logprobs, first
-                )
-                if first and extra:
-                    piece.update(extra)
-                first = False
-                yield f"data: {json.dumps(piece)}\n\n"
-        except Exception as exc:
-            yield f"data: {json.dumps(_engine_error(exc).body())}\n\n"
-        else:
-            if body.include_usage_in_stream():
-                yield f"data: {json.dumps(oa.usage_chunk(chat, rid, body.model, created, prompt_len, n_tokens))}\n\n"
-        yield "data: [DONE]\n\n"
+            created, n_tokens, offset, first = oa.now(), 0, 0, True
+            k, as_ids = body.num_logprobs(), body.return_tokens_as_token_ids
+            try:
+                async for out in gen:
+                    delta = out.outputs[0]
+                    n_tokens += len(delta.token_ids)
+                    if chat:
+                        logprobs = oa.chat_logprobs(delta, k, as_ids)
+                    else:
+                        logprobs = oa.completion_logprobs(delta, k, as_ids, offset)
+                        offset += len(delta.text)
+                    piece = oa.chunk(
+                        chat, rid, body.model, created, delta.text, delta.finish_reason, logprobs, first
+                    )
+                    if first and extra:
+                        piece.update(extra)
+                    first = False
+                    yield f"data: {json.dumps(piece)}\n\n"
+            except Exception as exc:
+                yield f"data: {json.dumps(_engine_error(exc).body())}\n\n"
+            else:
+                if body.include_usage_in_stream():
+                    yield f"data: {json.dumps(oa.usage_chunk(chat, rid, body.model, created, prompt_len, n_tokens))}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            self._running.exit()
 
 
 def build_app(

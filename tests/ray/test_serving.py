@@ -242,14 +242,10 @@ def test_greedy_equals_transformers_peft(client, published, weights, served, fol
     assert max(lengths) > 0  # the comparison covered generated tokens, not only empty answers
 
 
-def _running(metrics_text: str) -> float:
-    """The value of vLLM's ``vllm:num_requests_running`` gauge in a Prometheus text page."""
-    values = [
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics_text.splitlines()
-        if line.startswith("vllm:num_requests_running")
-    ]
-    assert values, "vllm:num_requests_running is not exported"
+def _running(metrics_text: str, name: str = "vllm:num_requests_running") -> float:
+    """The value of a gauge (default: vLLM's running requests) in a Prometheus text page."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines() if line.startswith(name)]
+    assert values, f"{name} is not exported"
     return max(values)
 
 
@@ -298,16 +294,19 @@ def test_load_200_concurrent_chats_are_batched(server, published):
         )
     one_at_a_time = (time.perf_counter() - sequential_start) / 4
     start = time.perf_counter()
-    results, peak = asyncio.run(run())
+    results, polled = asyncio.run(run())
     wall = time.perf_counter() - start
     assert len(results) == 200
     assert all(r.choices[0].finish_reason in ("stop", "length") for r in results)
-    # Batched: the engine's running-requests gauge went above 1, or (when the /metrics polls queue
-    # behind the load on a busy machine and only see idle moments) 200 requests took far less than
-    # 200 one-at-a-time requests would (1.4x was seen on 2 busy cores with three adapters mixed).
-    assert peak > 1 or wall < 200 * one_at_a_time / 1.2, (
-        f"no sign of batching: peak running {peak}, {wall:.1f}s for 200 vs {one_at_a_time:.2f}s each"
+    # Batched: vLLM's running-requests gauge went above 1. Polls during the burst queue behind it,
+    # so the replica also samples the gauge itself and reports the peak once the burst is over.
+    peak = _running(httpx.get(f"{server}/metrics").text, "hamo:num_requests_running_peak")
+    print(f"peak running requests: {peak} (polled during the burst: {polled})")
+    assert max(peak, polled) > 1, (
+        f"no sign of batching: peak running {peak} (polled {polled}), {wall:.1f}s for 200 vs "
+        f"{one_at_a_time:.2f}s each"
     )
+    assert peak <= SERVE.max_num_seqs  # the sampled gauge is the engine's, bounded by its batch size
 
 
 def test_limits_and_injection_without_harness(client, server):
