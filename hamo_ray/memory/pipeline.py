@@ -38,7 +38,7 @@ from hamo_ray.memory.distill import card_from_trajectory, get_distiller
 from hamo_ray.memory.embed import Embedder, key_text
 from hamo_ray.memory.schema import CARD_FIELDS
 from hamo_ray.memory.store import MemoryStore
-from hamo_ray.types import Card, Trajectory, card_id
+from hamo_ray.types import Card, TaskSpec, Trajectory, card_id
 
 if TYPE_CHECKING:
     import ray.data
@@ -83,11 +83,12 @@ def _parse(raw: Any) -> tuple[Trajectory | None, str | None, str]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         return None, None, f"not JSON: {exc.msg}"
-    tid = None
+    tid = None  # the trajectory's id, when its task parses even though the rest may not
     if isinstance(data, dict) and isinstance(data.get("task"), dict):
-        task = data["task"]
-        tid = f"{task.get('domain')}/{task.get('task')}/{task.get('split', 'train')}/{task.get('variation')}"
-        tid += f"/{data.get('source', 'policy')}"
+        try:
+            tid = f"{TaskSpec.model_validate(data['task']).id}/{data.get('source', 'policy')}"
+        except ValueError:
+            pass
     try:
         traj = Trajectory.model_validate(data)
     except ValueError as exc:

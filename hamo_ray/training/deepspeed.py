@@ -109,18 +109,17 @@ def trainable_state_dict(engine: Any) -> dict[str, Any]:
     Under ZeRO-3 every parameter is a shard; without gathering, ``save_pretrained`` writes empty
     adapters. Collective: every rank must call it.
     """
+    import contextlib
+
     import deepspeed
     import torch
 
-    module = engine.module
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     sharded = [p for _, p in named if hasattr(p, "ds_id")]
-    out: dict[str, Any] = {}
-    if sharded:
-        with deepspeed.zero.GatheredParameters(sharded, modifier_rank=None):
-            for name, param in named:
-                out[name] = param.detach().to("cpu", torch.float32).clone()
-    else:
-        for name, param in named:
-            out[name] = param.detach().to("cpu", torch.float32).clone()
-    return out
+    gather = (
+        deepspeed.zero.GatheredParameters(sharded, modifier_rank=None)
+        if sharded
+        else contextlib.nullcontext()
+    )
+    with gather:
+        return {name: param.detach().to("cpu", torch.float32).clone() for name, param in named}

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hamo_ray.config import PromptConfig, TrainConfig
+from hamo_ray.training.deepspeed import use_bf16
 from hamo_ray.training.examples import trajectory_examples
 from hamo_ray.training.trainer import fit_to_folder
 from hamo_ray.types import Trajectory
@@ -175,7 +176,7 @@ def train_dpo(
         "lr": lr if lr is not None else tcfg.lr,
         "seed": seed,
         "threads": max(1, (os.cpu_count() or 1) // workers),
-        "bf16": tcfg.use_gpu,
+        "bf16": use_bf16(tcfg),  # the same rule as behavioural cloning (train.bf16, else GPU only)
         "gradient_checkpointing": tcfg.gradient_checkpointing,
         "lora_r": tcfg.lora_r,
         "lora_alpha": tcfg.lora_alpha,
