@@ -7,6 +7,8 @@ start. The pipeline also validates every row (rejections) and skips stored ids.
 
     python benchmarks/bench_distill.py                   # 2,000 trajectories
     python benchmarks/bench_distill.py --n 5000 --actors 2
+
+Results also go to ``benchmarks/results/bench_distill.json`` (``--json PATH``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import argparse
 import logging
 import tempfile
 import time
+
+from common import Results, add_json_argument
 
 from hamo_ray.config import MemoryConfig
 from hamo_ray.memory import Embedder, MemoryStore, build_cards_dataset, write_cards_report
@@ -79,7 +83,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--actors", type=int, default=1)
     parser.add_argument("--cpus", type=int, default=2)
+    add_json_argument(parser, __file__)
     args = parser.parse_args()
+    results = Results(__file__, args)
     import ray
 
     logging.basicConfig(level=logging.WARNING)
@@ -95,14 +101,25 @@ def main() -> None:
     t_plain = plain_loop(trajs, args.batch)
     t_ours = pipeline(trajs, args.batch, args.actors)
     ray.shutdown()
+    r = results.add(
+        {
+            "trajectories": args.n,
+            "pipeline_cards_per_s": args.n / t_ours,
+            "pipeline_s": t_ours,
+            "plain_cards_per_s": args.n / t_plain,
+            "plain_s": t_plain,
+            "ratio": t_plain / t_ours,
+        }
+    )
     print(
         f"{'trajectories':>12} | {'pipeline cards/s':>16} {'s':>6} | {'plain loop cards/s':>18} {'s':>6} | ratio"
     )
     print("-" * 76)
     print(
-        f"{args.n:>12} | {args.n / t_ours:16.1f} {t_ours:6.1f} | {args.n / t_plain:18.1f} {t_plain:6.1f} | "
-        f"{t_plain / t_ours:.2f}x"
+        f"{r['trajectories']:>12} | {r['pipeline_cards_per_s']:16.1f} {r['pipeline_s']:6.1f} | "
+        f"{r['plain_cards_per_s']:18.1f} {r['plain_s']:6.1f} | {r['ratio']:.2f}x"
     )
+    results.finish()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ The queries are noisy copies of stored keys (a new variation of a known task).
     python benchmarks/bench_retrieval.py                          # 10^4, 10^5, 10^6 cards
     python benchmarks/bench_retrieval.py --sizes 10000 --queries 200
     python benchmarks/bench_retrieval.py --sizes 1000000 --index-types ivf_sq ivf_pq
+
+Results also go to ``benchmarks/results/bench_retrieval.json`` (``--json PATH``), one row per
+size, index type and nprobes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 
 import numpy as np
 import pyarrow as pa
+from common import Results, add_json_argument
 
 from hamo_ray.memory import MemoryStore
 from hamo_ray.memory.schema import CARD_FIELDS
@@ -86,16 +90,17 @@ def run(n: int, dim: int, queries: int, nprobes: list[int], refine: int, index_t
     pct = lambda xs, p: 1000 * float(np.percentile(xs, p))  # noqa: E731
     return [
         {
-            "n": n,
-            "type": index_type,
+            "cards": n,
+            "index": index_type,
             "nprobes": probes,
-            "fill": t_fill,
-            "index": t_index,
-            "ours50": pct(ours, 50),
-            "ours99": pct(ours, 99),
-            "np50": pct(exact, 50),
-            "np99": pct(exact, 99),
-            "recall": float(np.mean([len(set(g) & set(t)) / 3 for g, t in zip(got, truth)])),
+            "write_s": t_fill,
+            "index_s": t_index,
+            "lance_p50_ms": pct(ours, 50),
+            "lance_p99_ms": pct(ours, 99),
+            "numpy_p50_ms": pct(exact, 50),
+            "numpy_p99_ms": pct(exact, 99),
+            "p50_ratio": pct(exact, 50) / pct(ours, 50),
+            "recall_at_3": float(np.mean([len(set(g) & set(t)) / 3 for g, t in zip(got, truth)])),
         }
         for probes, ours, got in runs
     ]
@@ -111,7 +116,9 @@ def main() -> None:
     parser.add_argument(
         "--index-types", nargs="+", default=["ivf_sq"], choices=["ivf_sq", "ivf_pq", "ivf_hnsw_sq"]
     )
+    add_json_argument(parser, __file__)
     args = parser.parse_args()
+    results = Results(__file__, args)
     header = (
         f"{'cards':>9} | {'index':>11} | {'nprobes':>7} | {'write s':>7} {'index s':>7} | {'lance p50 ms':>12} {'p99 ms':>7} | "
         f"{'numpy p50 ms':>12} {'p99 ms':>7} | {'p50 ratio':>9} | recall@3"
@@ -119,14 +126,16 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for n in args.sizes:
-        for r in (
-            r for t in args.index_types for r in run(n, args.dim, args.queries, args.nprobes, args.refine, t)
-        ):
-            print(
-                f"{r['n']:>9} | {r['type']:>11} | {r['nprobes']:>7} | {r['fill']:7.1f} {r['index']:7.1f} | {r['ours50']:12.2f} {r['ours99']:7.2f} | "
-                f"{r['np50']:12.2f} {r['np99']:7.2f} | {r['np50'] / r['ours50']:8.2f}x | {r['recall']:.3f}",
-                flush=True,
-            )
+        for t in args.index_types:
+            for row in run(n, args.dim, args.queries, args.nprobes, args.refine, t):
+                r = results.add(row)
+                print(
+                    f"{r['cards']:>9} | {r['index']:>11} | {r['nprobes']:>7} | {r['write_s']:7.1f} {r['index_s']:7.1f} | "
+                    f"{r['lance_p50_ms']:12.2f} {r['lance_p99_ms']:7.2f} | "
+                    f"{r['numpy_p50_ms']:12.2f} {r['numpy_p99_ms']:7.2f} | {r['p50_ratio']:8.2f}x | {r['recall_at_3']:.3f}",
+                    flush=True,
+                )
+    results.finish()
 
 
 if __name__ == "__main__":

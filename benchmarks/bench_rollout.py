@@ -9,6 +9,9 @@ request at a time). It prints environment steps/s and policy tokens/s of both, t
 server's saturated tokens/s from a pure load test at batch size C (same prompts, no environments),
 and the rollout efficiency = rollout tokens/s / saturated tokens/s. It then prints the memory of one
 environment per domain and how many fit in 24 GiB.
+
+Results also go to ``benchmarks/results/bench_rollout.json`` (``--json PATH``): one row per
+concurrency (``"table": "throughput"``) and per domain (``"table": "memory"``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import Results, add_json_argument  # noqa: E402
 
 from hamo_ray.config import EnvConfig, ModelConfig, PromptConfig, RolloutConfig, ServeConfig  # noqa: E402
 from hamo_ray.envs import get_domain  # noqa: E402
@@ -91,7 +96,9 @@ async def saturate(spec: PolicySpec, messages: list[list[dict]], concurrency: in
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", help="HF model folder (default: a random tiny backbone)")
     parser.add_argument("--domain", default="textworld")
     parser.add_argument("--task-type", default="tw-coin_collector")
@@ -100,7 +107,9 @@ def main() -> int:
     parser.add_argument("--actors", type=int, default=4)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--port", type=int, default=18480)
+    add_json_argument(parser, __file__)
     args = parser.parse_args()
+    results = Results(__file__, args)
 
     import ray
 
@@ -128,7 +137,7 @@ def main() -> int:
         model, ModelConfig(max_model_len=2048), serve_cfg, adapter_root="/tmp/hamo-bench-rollout"
     )
     spec = PolicySpec(base_url=url, model="base", temperature=0.7, max_tokens=16, seed=0)
-    rows = []
+    rows: list[dict] = []
     try:
         for c in args.concurrency:
             tasks = [games[i % len(games)] for i in range(max(8, 2 * c))]
@@ -156,7 +165,22 @@ def main() -> int:
                 for k in range(t.num_turns)
             ]
             sat = asyncio.run(saturate(spec, prompts, c, seconds=max(10.0, min(30.0, wall))))
-            rows.append((c, steps / wall, toks / wall, seq_steps / seq_wall, seq_toks / seq_wall, sat))
+            row = {
+                "table": "throughput",
+                "concurrency": c,
+                "pool_steps_per_s": steps / wall,
+                "pool_tok_s": toks / wall,
+                "seq_steps_per_s": seq_steps / seq_wall,
+                "seq_tok_s": seq_toks / seq_wall,
+                "pool_over_seq": (steps / wall) / (seq_steps / seq_wall),
+                "server_saturated_tok_s": sat,
+                "efficiency": (toks / wall) / sat,
+                "pool_steps": steps,
+                "pool_s": wall,
+                "seq_steps": seq_steps,
+                "seq_s": seq_wall,
+            }
+            rows.append(results.add(row))
             print(
                 f"C={c}: {steps} steps in {wall:.1f}s; sequential {seq_steps} steps in {seq_wall:.1f}s; "
                 f"saturated {sat:.0f} tok/s",
@@ -170,23 +194,26 @@ def main() -> int:
         "| conc | pool steps/s | pool tok/s | seq steps/s | seq tok/s | pool/seq | server saturated tok/s | efficiency |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for c, ps, pt, ss, st, sat in rows:
+    for r in rows:
         print(
-            f"| {c} | {ps:.1f} | {pt:.0f} | {ss:.1f} | {st:.0f} | {ps / ss:.1f}x | {sat:.0f} | {pt / sat:.2f} |"
+            f"| {r['concurrency']} | {r['pool_steps_per_s']:.1f} | {r['pool_tok_s']:.0f} | "
+            f"{r['seq_steps_per_s']:.1f} | {r['seq_tok_s']:.0f} | {r['pool_over_seq']:.1f}x | "
+            f"{r['server_saturated_tok_s']:.0f} | {r['efficiency']:.2f} |"
         )
     print()
-    memory_table()
+    memory_table(results)
+    results.finish()
     return 0
 
 
-def memory_table() -> None:
+def memory_table(results: Results) -> None:
     """RSS of one environment per domain (measured in a fresh subprocess) and how many fit in 24 GiB."""
     import subprocess
 
     code = (
         "import sys\n"
         "from hamo_ray.config import EnvConfig\nfrom hamo_ray.envs import get_domain\n"
-        "d=sys.argv[1]; cfg=EnvConfig(domain=d, task_types=[sys.argv[2]])\n"
+        "d=sys.argv[1]; cfg=EnvConfig(domain=d, task_types=[sys.argv[2]], alfworld_games='generated')\n"
         "dom=get_domain(d,cfg); t=dom.tasks('train',sys.argv[2],limit=1)[0]\n"
         "import psutil,os; p=psutil.Process(); before=p.memory_info().rss\n"
         "env=dom.make_env(); env.reset(t); [env.step(a) for a in env.expert_actions()[:3]]\n"
@@ -210,10 +237,19 @@ def memory_table() -> None:
                 timeout=600,
                 cwd=Path(__file__).resolve().parent.parent,
             )
+            if out.returncode != 0:  # keep the child's own error (e.g. missing game data), not an IndexError
+                lines = out.stderr.strip().splitlines() or [f"exit status {out.returncode}"]
+                raise RuntimeError(lines[-1])
             mib = float(out.stdout.strip().splitlines()[-1])
-            print(f"| {domain} | {mib:.0f} | {int(24 * 1024 / max(mib, 1))} |")
+            fits = int(24 * 1024 / max(mib, 1))
+            results.add({"table": "memory", "domain": domain, "mib_per_env": mib, "envs_in_24gib": fits})
+            print(f"| {domain} | {mib:.0f} | {fits} |")
         except Exception as exc:  # a domain that cannot run here is reported, not fatal
-            print(f"| {domain} | n/a ({type(exc).__name__}) | |")
+            error = str(exc) if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
+            # the table names the error's class ("hamo_ray.config.ConfigError: ..." -> ConfigError)
+            short = error.split(":")[0].rsplit(".", 1)[-1] if ":" in error else type(exc).__name__
+            results.add({"table": "memory", "domain": domain, "error": error})
+            print(f"| {domain} | n/a ({short}) | |")
 
 
 if __name__ == "__main__":

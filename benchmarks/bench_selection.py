@@ -12,6 +12,8 @@ Data: clustered unit vectors (384 dims), like card embeddings of a few hundred t
 
     python benchmarks/bench_selection.py                 # 10^3, 10^4, 10^5
     python benchmarks/bench_selection.py --sizes 1000 10000
+
+Results also go to ``benchmarks/results/bench_selection.json`` (``--json PATH``), one row per size.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import time
 
 import numpy as np
+from common import Results, add_json_argument
 
 from hamo_ray.selection import (
     _exact_rows,
@@ -90,17 +93,20 @@ def run(n: int, max_blocks: int, max_steps: int) -> dict:
     t_plain = (time.perf_counter() - t0) * (steps / len(picks) if bounded else 1.0)
     same = picks == order[: len(picks)] and gains == order_gains[: len(gains)]
     return {
-        "n": n,
-        "ours": t_ours_total,
-        "ours_nb": t_nb,
-        "ours_greedy": t_greedy_ours,
-        "base": t_base_nb + t_plain,
-        "base_nb": t_base_nb,
-        "base_greedy": t_plain,
-        "approx": partial or bounded,
-        "identical": same,
-        "nb_diff": nb_diff,
-        "checked": f"{checked_rows}/{n} rows, {len(picks)}/{steps} steps",
+        "cards": n,
+        "ours_s": t_ours_total,
+        "ours_neighbours_s": t_nb,
+        "ours_greedy_s": t_greedy_ours,
+        "plain_s": t_base_nb + t_plain,
+        "plain_neighbours_s": t_base_nb,
+        "plain_greedy_s": t_plain,
+        "plain_extrapolated": partial or bounded,
+        "ratio": (t_base_nb + t_plain) / t_ours_total,
+        "same_picks_and_gains": same,
+        "neighbour_rows_differing": nb_diff,
+        "checked_rows": checked_rows,
+        "checked_steps": len(picks),
+        "steps": steps,
         "budget": budget,
     }
 
@@ -110,7 +116,9 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 10_000, 100_000])
     parser.add_argument("--max-blocks", type=int, default=6, help="baseline neighbour blocks timed at most")
     parser.add_argument("--max-steps", type=int, default=3_000, help="baseline greedy steps timed at most")
+    add_json_argument(parser, __file__)
     args = parser.parse_args()
+    results = Results(__file__, args)
     header = (
         f"{'cards':>8} | {'ours s':>8} {'(nbrs':>7} {'greedy)':>8} | {'plain s':>9} {'(nbrs':>8} "
         f"{'greedy)':>9} | {'ratio':>6} | same picks+gains | nbr rows differing | checked | budget"
@@ -118,15 +126,17 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for n in args.sizes:
-        r = run(n, args.max_blocks, args.max_steps)
-        mark = "~" if r["approx"] else " "
+        r = results.add(run(n, args.max_blocks, args.max_steps))
+        mark = "~" if r["plain_extrapolated"] else " "
+        checked = f"{r['checked_rows']}/{r['cards']} rows, {r['checked_steps']}/{r['steps']} steps"
         print(
-            f"{r['n']:>8} | {r['ours']:8.2f} {r['ours_nb']:7.2f} {r['ours_greedy']:8.2f} | "
-            f"{mark}{r['base']:8.1f} {r['base_nb']:8.1f} {r['base_greedy']:9.1f} | "
-            f"{r['base'] / r['ours']:5.1f}x | {str(r['identical']):>16} | {r['nb_diff']:>18} | "
-            f"{r['checked']} | {r['budget']}",
+            f"{r['cards']:>8} | {r['ours_s']:8.2f} {r['ours_neighbours_s']:7.2f} {r['ours_greedy_s']:8.2f} | "
+            f"{mark}{r['plain_s']:8.1f} {r['plain_neighbours_s']:8.1f} {r['plain_greedy_s']:9.1f} | "
+            f"{r['ratio']:5.1f}x | {str(r['same_picks_and_gains']):>16} | {r['neighbour_rows_differing']:>18} | "
+            f"{checked} | {r['budget']}",
             flush=True,
         )
+    results.finish()
 
 
 if __name__ == "__main__":

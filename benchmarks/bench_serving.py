@@ -9,6 +9,9 @@ Ratios: adapter/base, level/one-at-a-time, ours/vLLM's (the overhead of our laye
 
     python benchmarks/bench_serving.py                      # a random tiny backbone and adapter
     python benchmarks/bench_serving.py --model PATH --adapter PATH --max-tokens 32
+    python benchmarks/bench_serving.py --levels 1 16 --skip-vllm
+
+Results also go to ``benchmarks/results/bench_serving.json`` (``--json PATH``), one row per level.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import Results, add_json_argument  # noqa: E402
 
 from hamo_ray.config import ModelConfig, ServeConfig  # noqa: E402
 
@@ -170,29 +175,53 @@ def _vllm(base: Path, adapter: Path, model_cfg: ModelConfig, serve_cfg: ServeCon
         log.close()
 
 
-def _table(ours: dict, theirs: dict | None, levels: list[int]) -> str:
+def _rows(ours: dict, theirs: dict | None, levels: list[int]) -> list[dict]:
+    """One row per concurrency level: our base and adapter, their ratios, and vLLM's server if it ran."""
+    rows = []
+    for c in levels:
+        b, a = ours[("base", c)], ours[("bench-lora", c)]
+        row = {"concurrency": c}
+        for name, r in (("ours_base", b), ("ours_lora", a)):
+            row |= {f"{name}_tok_s": r["tok_s"], f"{name}_p50_s": r["p50"], f"{name}_p99_s": r["p99"]}
+        row |= {
+            "lora_over_base": a["tok_s"] / b["tok_s"],
+            "batch_over_one_base": b["tok_s"] / ours[("base", levels[0])]["tok_s"],
+            "batch_over_one_lora": a["tok_s"] / ours[("bench-lora", levels[0])]["tok_s"],
+        }
+        if theirs:
+            vb, va = theirs[("base", c)], theirs[("bench-lora", c)]
+            for name, r in (("vllm_base", vb), ("vllm_lora", va)):
+                row |= {f"{name}_tok_s": r["tok_s"], f"{name}_p50_s": r["p50"], f"{name}_p99_s": r["p99"]}
+            row |= {
+                "ours_over_vllm_base": b["tok_s"] / vb["tok_s"],
+                "ours_over_vllm_lora": a["tok_s"] / va["tok_s"],
+            }
+        rows.append(row)
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
     head = (
         f"{'conc':>4} | {'ours base tok/s':>15} {'p50':>7} {'p99':>7} | {'ours lora tok/s':>15} {'p50':>7} "
         f"{'p99':>7} | {'lora/base':>9} | {'batch/1 base':>12} {'batch/1 lora':>12}"
     )
+    theirs = bool(rows) and "vllm_base_tok_s" in rows[0]
     if theirs:
         head += f" | {'vllm base tok/s':>15} {'vllm lora tok/s':>15} | {'ours/vllm base':>14} {'ours/vllm lora':>14}"
     lines = [head, "-" * len(head)]
-    for c in levels:
-        b, a = ours[("base", c)], ours[("bench-lora", c)]
-        row = (
-            f"{c:>4} | {b['tok_s']:>15.1f} {b['p50']:>7.3f} {b['p99']:>7.3f} | {a['tok_s']:>15.1f} {a['p50']:>7.3f} "
-            f"{a['p99']:>7.3f} | {a['tok_s'] / b['tok_s']:>9.2f} | "
-            f"{b['tok_s'] / ours[('base', levels[0])]['tok_s']:>12.2f} "
-            f"{a['tok_s'] / ours[('bench-lora', levels[0])]['tok_s']:>12.2f}"
+    for r in rows:
+        line = (
+            f"{r['concurrency']:>4} | {r['ours_base_tok_s']:>15.1f} {r['ours_base_p50_s']:>7.3f} "
+            f"{r['ours_base_p99_s']:>7.3f} | {r['ours_lora_tok_s']:>15.1f} {r['ours_lora_p50_s']:>7.3f} "
+            f"{r['ours_lora_p99_s']:>7.3f} | {r['lora_over_base']:>9.2f} | "
+            f"{r['batch_over_one_base']:>12.2f} {r['batch_over_one_lora']:>12.2f}"
         )
         if theirs:
-            vb, va = theirs[("base", c)], theirs[("bench-lora", c)]
-            row += (
-                f" | {vb['tok_s']:>15.1f} {va['tok_s']:>15.1f} | {b['tok_s'] / vb['tok_s']:>14.2f} "
-                f"{a['tok_s'] / va['tok_s']:>14.2f}"
+            line += (
+                f" | {r['vllm_base_tok_s']:>15.1f} {r['vllm_lora_tok_s']:>15.1f} | "
+                f"{r['ours_over_vllm_base']:>14.2f} {r['ours_over_vllm_lora']:>14.2f}"
             )
-        lines.append(row)
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -202,10 +231,14 @@ def main() -> None:
     )
     parser.add_argument("--model", help="base model folder (default: a random tiny backbone)")
     parser.add_argument("--adapter", help="peft adapter folder (default: a random r=16 adapter)")
-    parser.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
+    parser.add_argument(
+        "--levels", type=int, nargs="+", default=[1, 16, 64], help="concurrency levels (space-separated)"
+    )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--skip-vllm", action="store_true", help="only our app")
+    add_json_argument(parser, __file__)
     args = parser.parse_args()
+    results = Results(__file__, args)
     args.tmp = tempfile.mkdtemp(prefix="bench_serving_")
     if args.model and args.adapter:
         base, adapter = Path(args.model), Path(args.adapter)
@@ -221,8 +254,10 @@ def main() -> None:
     if not args.skip_vllm:
         print("vLLM's OpenAI server, same engine settings", flush=True)
         theirs = _vllm(base, adapter, model_cfg, serve_cfg, args)
+    rows = [results.add(r) for r in _rows(ours, theirs, args.levels)]
     print()
-    print(_table(ours, theirs, args.levels))
+    print(_table(rows))
+    results.finish()
 
 
 if __name__ == "__main__":

@@ -1,132 +1,280 @@
-"""Training throughput: our Ray Train trainer vs a plain single-process transformers + peft loop.
+"""Training throughput: our trainer (packed batches, long-lived workers) vs a plain transformers + peft loop.
 
-Same model (a tiny Qwen3 backbone like the embedded default: hidden 128, 2 layers), same LoRA
-(r=16 on every projection), same examples (lengths drawn like behavioural-cloning prompts, 64-1000
-tokens), same micro-batch, one epoch, float32 on CPU. The baseline shuffles and pads each batch to
-its longest example; ours buckets by length (``length_bucketed_batches``). Tokens/s counts real
-(non-padding) tokens over the training loop; "wall" adds our Ray Train start-up (worker, process
-group, model load), paid once per stage.
+Same model, same LoRA (r=16 on every projection), same examples, one epoch. The plain loop shuffles,
+pads each micro-batch to its longest example and takes transformers' own loss (full logits); ours
+packs examples without padding up to ``batch x mean length`` tokens per micro-batch and runs the LM
+head on the labelled tokens only. Ours runs as stages on one long-lived worker group: stage 1 pays
+for the workers and the model load, stage 2 (same examples, starting from stage 1's adapter) shows
+the per-stage start-up of every later stage.
 
-    python benchmarks/bench_train.py                      # 512 examples, batch 8
-    python benchmarks/bench_train.py --strategy deepspeed # ZeRO-2 on CPU (first run compiles an op)
+CPU mode (default): a tiny Qwen3 (hidden 128, 2 layers), float32, 512 examples of 64-1000 tokens
+(log-normal around 300), the last 8 labelled, micro-batch 8.
+
+GPU mode (``--device cuda``): a Qwen3-shaped model with random weights (``--preset qwen3-1.7b``,
+``qwen3-4b``, ``qwen3-8b``), bf16, examples like behavioural cloning (log-normal, mean ~1,000
+tokens, max 4,096, the last 16 labelled), micro-batch 4. MFU counts the model FLOPs of a frozen
+base with LoRA: 4 x parameters per token (forward plus the input gradients) plus causal attention
+(QK^T and AV over each example's own prefix, forward and backward), over 989 TFLOP/s (H100/H200
+dense bf16). Extra rows (``--variants``): ``pack16k`` (16,384-token packs), ``zero2`` (DeepSpeed
+ZeRO-2 instead of DDP), ``liger`` (Liger's RMSNorm/SwiGLU/RoPE kernels).
+
+    python benchmarks/bench_train.py                                     # CPU
+    python benchmarks/bench_train.py --device cuda --preset qwen3-1.7b --variants pack16k zero2 liger
+    python benchmarks/bench_train.py --n 64 --gpu-lengths   # the GPU mode's code path, on CPU
+
+The table is printed and its rows written as JSON (``--json``, default
+``benchmarks/results/bench_train.json``, see ``benchmarks/common.py``), one row per loop, each with
+the set-up it was measured in.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from hamo_ray.config import BackboneConfig, TrainConfig
+from hamo_ray.config import TrainConfig
 from hamo_ray.training.examples import Example
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_size=2048, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+}  # fmt: skip
 
 
-def examples(n: int, vocab: int, seed: int = 0) -> list[Example]:
+def build_model(preset: str, path: Path, device: str, bf16: bool) -> tuple[Any, int]:
+    """Save a randomly initialised Qwen3 of ``preset``'s shape to ``path``; (config, parameter count)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(**PRESETS[preset], max_position_embeddings=8192, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16 if bf16 else torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return cfg, n_params
+
+
+def make_examples(n: int, vocab: int, gpu_lengths: bool, seed: int = 0) -> list[Example]:
+    """Random token examples: BC-like lengths (GPU mode) or the CPU mode's shorter ones."""
     rng = np.random.default_rng(seed)
-    lengths = np.clip(rng.lognormal(np.log(300), 0.5, n), 64, 1000).astype(int)
+    if gpu_lengths:
+        lengths, labelled = np.clip(rng.lognormal(np.log(900), 0.6, n), 128, 4096).astype(int), 16
+    else:
+        lengths, labelled = np.clip(rng.lognormal(np.log(300), 0.5, n), 64, 1000).astype(int), 8
     out = []
     for i, length in enumerate(lengths):
         ids = rng.integers(3, vocab, length).tolist()
-        out.append(Example(ids, [-100] * (length - 8) + ids[-8:], f"t{i}"))
+        out.append(Example(ids, [-100] * (length - labelled) + ids[-labelled:], f"t{i}"))
     return out
 
 
-def plain_loop(
-    base: str, data: list[Example], batch: int, lr: float, threads: int
-) -> tuple[float, int, float]:
-    """(seconds, real tokens, padding fraction) of a plain transformers + peft loop."""
+def model_flops(cfg: Any, n_params: int, data: list[Example]) -> float:
+    """Model FLOPs of one epoch: 4 x params per token plus causal attention (forward + input gradients)."""
+    d_attn = cfg.num_attention_heads * cfg.head_dim
+    tokens = sum(len(e.input_ids) for e in data)
+    attn_fwd = sum(
+        4 * cfg.num_hidden_layers * d_attn * len(e.input_ids) * (len(e.input_ids) + 1) / 2 for e in data
+    )
+    return 2 * (2 * n_params * tokens + attn_fwd)
+
+
+def plain_loop(base: str, data: list[Example], batch: int, device: str, bf16: bool, warmup: int) -> dict:
+    """A plain transformers + peft loop: shuffled padded batches, ``model(labels=...).loss``, AdamW."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from hamo_ray.training.trainer import _collate
-
-    torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="sdpa")
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, attn_implementation="sdpa").to(device)
     model = get_peft_model(
         model, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, task_type="CAUSAL_LM")
     )
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr)
+    opt = torch.optim.AdamW(params, lr=2e-4)
     order = list(range(len(data)))
     random.Random(0).shuffle(order)
-    tokens = positions = 0
+    batches = [order[s : s + batch] for s in range(0, len(order), batch)]
+    cuda = device == "cuda"
     model.train()
+    tokens = positions = 0
     start = time.perf_counter()
-    for s in range(0, len(order), batch):
-        ids, labels, mask = _collate(
-            [{"input_ids": data[i].input_ids, "labels": data[i].labels} for i in order[s : s + batch]], 0
-        )
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    for step, idx in enumerate(batches):
+        if step == warmup:  # timing starts after the warm-up steps (allocator, kernels)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            start, tokens, positions = time.perf_counter(), 0, 0
+        rows = [data[i] for i in idx]
+        width = max(len(e.input_ids) for e in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        labels = torch.full((len(rows), width), -100, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, e in enumerate(rows):
+            ids[r, : len(e.input_ids)] = torch.tensor(e.input_ids)
+            labels[r, : len(e.labels)] = torch.tensor(e.labels)
+            mask[r, : len(e.input_ids)] = 1
+        loss = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         tokens += int(mask.sum())
         positions += mask.numel()
-    return time.perf_counter() - start, tokens, 1 - tokens / positions
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    timed = len(batches) - min(warmup, len(batches) - 1)
+    del model, opt, params
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"tokens": tokens, "seconds": seconds, "padding": 1 - tokens / positions, "peak_gib": peak,
+            "steps": timed, "examples_timed": sum(len(b) for b in batches[-timed:])}  # fmt: skip
+
+
+def ours(base: str, data: list[Example], args, tmp: Path, emit: Callable[[str, dict], None]) -> None:
+    """Our trainer as stages on one long-lived group: cold stage, warm stage, then the variants.
+
+    Each finished stage is passed to ``emit(name, row)`` at once (a run cut short keeps it).
+    """
+    from hamo_ray.training.group import TrainerGroup
+    from hamo_ray.training.trainer import train_model
+
+    gpu = args.device == "cuda"
+    common = dict(num_workers=1, target_modules=TARGETS, batch_size=args.batch, use_gpu=gpu, strategy="ddp")
+    common["cpus_per_worker"] = 4 if gpu else args.cpus
+    base_cfg = TrainConfig(**common)
+    stages = [("ours (cold stage)", base_cfg), ("ours", base_cfg)]
+    extra = {
+        "pack16k": TrainConfig(**common, pack_tokens=16384),
+        "zero2": TrainConfig(**{**common, "strategy": "deepspeed"}),
+        "liger": TrainConfig(**common, liger=True),
+        "padded": TrainConfig(**common, packing=False),
+    }
+    stages += [(f"ours + {v}", extra[v]) for v in args.variants]
+    start = time.perf_counter()
+    group = TrainerGroup(base_cfg)
+    group_s = time.perf_counter() - start
+    prev = None
+    try:
+        for k, (name, tcfg) in enumerate(stages):
+            t = time.perf_counter()
+            try:
+                r = train_model(base, data, tmp / f"stage{k}", tcfg, pad_id=0, init_adapter=prev,
+                                epochs=1, seed=k, name=name, group=group)  # fmt: skip
+            except Exception as e:  # a variant that fails (say, liger missing) leaves the others
+                logging.exception("%s failed", name)
+                emit(name, {"error": repr(e)[:300]})
+                continue
+            wall = time.perf_counter() - t + (group_s if k == 0 else 0.0)
+            prev = r.path if name != "ours + liger" else prev
+            emit(name, {"tokens": r.tokens, "seconds": r.seconds, "padding": r.padding, "steps": r.steps,
+                        "peak_gib": r.peak_gib, "startup_s": wall - r.seconds, "loss": r.loss})  # fmt: skip
+    finally:
+        group.shutdown()
 
 
 def main() -> None:
+    from common import Results, add_json_argument
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--strategy", default="ddp", choices=["ddp", "deepspeed"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--preset", default=None, choices=sorted(PRESETS), help="default: tiny on CPU, qwen3-1.7b on GPU"
+    )
+    parser.add_argument("--n", type=int, default=None, help="examples (default 512 CPU, 384 GPU)")
+    parser.add_argument("--batch", type=int, default=None, help="micro-batch (default 8 CPU, 4 GPU)")
+    parser.add_argument("--gpu-lengths", action="store_true", help="BC-like lengths on CPU too")
+    parser.add_argument("--variants", nargs="*", default=[], choices=["pack16k", "zero2", "liger", "padded"])
     parser.add_argument("--cpus", type=int, default=2)
+    parser.add_argument("--skip-plain", action="store_true")
+    add_json_argument(parser, __file__)
     args = parser.parse_args()
-    import ray
-
-    from hamo_ray.training.tiny_lm import make_random_backbone
-    from hamo_ray.training.trainer import train_model
-
+    gpu = args.device == "cuda"
+    args.preset = args.preset or ("qwen3-1.7b" if gpu else "tiny")
+    args.n = args.n or (384 if gpu else 512)
+    args.batch = args.batch or (4 if gpu else 8)
+    results = Results(__file__, args)
     logging.basicConfig(level=logging.WARNING)
-    with tempfile.TemporaryDirectory() as tmp:
-        base = str(make_random_backbone(Path(tmp) / "base", cfg=BackboneConfig(vocab_size=2048)))
-        from transformers import AutoConfig
+    import ray
+    import torch
 
-        data = examples(args.n, AutoConfig.from_pretrained(base).vocab_size)
-        t_plain, tok_plain, pad_plain = plain_loop(base, data, args.batch, 2e-4, args.cpus)
-        ray.init(
-            address="local",
-            num_cpus=args.cpus,
-            include_dashboard=False,
-            configure_logging=False,
-            log_to_driver=False,
+    torch.set_num_threads(args.cpus if not gpu else 8)
+    setup: dict[str, Any] = {"device": args.device, "preset": args.preset}
+    rows: dict[str, dict] = {}
+
+    def emit(name: str, row: dict) -> None:  # every row carries the set-up it was measured in
+        if "tokens" in row:
+            row["tok_s"] = row["tokens"] / row["seconds"]
+            row["mfu"] = row["tok_s"] * setup["flops_per_token"] / PEAK_FLOPS if gpu else None
+        rows[name] = row
+        results.add({"loop": name, **row, **setup})
+        print(name, json.dumps(row), flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        cfg, n_params = build_model(args.preset, Path(tmp) / "base", args.device, bf16=gpu)
+        print(
+            f"built {args.preset}: {n_params / 1e9:.3f}B parameters in {time.perf_counter() - t:.0f}s",
+            flush=True,
         )
-        tcfg = TrainConfig(num_workers=args.workers, strategy=args.strategy, target_modules=TARGETS)
-        start = time.perf_counter()
-        result = train_model(
-            base,
-            data,
-            Path(tmp) / "out",
-            tcfg,
-            Path(tmp) / "storage",
-            pad_id=0,
-            epochs=1,
-            batch_size=args.batch,
+        data = make_examples(args.n, cfg.vocab_size, gpu or args.gpu_lengths)
+        lengths = [len(e.input_ids) for e in data]
+        setup.update(
+            n_params=n_params, examples=len(data), tokens=sum(lengths), mean_len=float(np.mean(lengths))
         )
-        wall = time.perf_counter() - start
-        ray.shutdown()
-    ours, plain = result.tokens / result.seconds, tok_plain / t_plain
-    print(f"{'trainer':>30} | {'tokens/s (loop)':>15} | {'tokens/s (wall)':>15} | {'padding':>7} | tokens")
-    print("-" * 86)
-    name = f"ours ({args.strategy}, {args.workers} worker{'s' if args.workers > 1 else ''})"
+        setup.update(max_len=max(lengths), flops_per_token=model_flops(cfg, n_params, data) / sum(lengths))
+        if not args.skip_plain:
+            warmup = 3 if gpu else 0
+            emit(
+                "plain transformers+peft",
+                plain_loop(str(Path(tmp) / "base"), data, args.batch, args.device, gpu, warmup),
+            )
+        ray.init(address="local", num_cpus=max(args.cpus, 4 if gpu else 1), num_gpus=1 if gpu else 0,
+                 include_dashboard=False, configure_logging=False, log_to_driver=True)  # fmt: skip
+        try:
+            ours(str(Path(tmp) / "base"), data, args, Path(tmp), emit)
+        finally:
+            ray.shutdown()
+    plain = rows.get("plain transformers+peft", {}).get("tok_s")
+    where = torch.cuda.get_device_name(0) if gpu else "CPU"
     print(
-        f"{name:>30} | {ours:15.0f} | {result.tokens / wall:15.0f} | {result.padding:7.1%} | {result.tokens}"
+        f"\n{args.preset} on {where}: {args.n} examples, mean {setup['mean_len']:.0f} tokens, "
+        f"micro-batch {args.batch}"
     )
-    print(
-        f"{'plain transformers+peft loop':>30} | {plain:15.0f} | {plain:15.0f} | {pad_plain:7.1%} | {tok_plain}"
-    )
-    print(f"{'ratio (ours / plain)':>30} | {ours / plain:14.2f}x | {result.tokens / wall / plain:14.2f}x |")
+    print("| loop | tokens/s | x plain | padding | MFU | peak GiB | steps | start-up s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, r in rows.items():
+        if "error" in r:
+            print(f"| {name} | failed: {r['error'][:80]} |||||||")
+            continue
+        ratio = f"{r['tok_s'] / plain:.2f}x" if plain else "-"
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+        start = f"{r['startup_s']:.1f}" if "startup_s" in r else "-"
+        print(f"| {name} | {r['tok_s']:,.0f} | {ratio} | {r['padding']:.1%} | {mfu} | {r['peak_gib']:.1f} | {r['steps']} | {start} |")  # fmt: skip
+    results.finish()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,9 @@
-"""Logging setup shared by the jobs, the Ray actors and the training workers."""
+"""Logging and progress bars shared by the jobs, the Ray actors and the training workers.
+
+Long phases (episodes, training steps, distillation) show a ``tqdm`` bar with counts, rate and ETA when
+the driver writes to a terminal; without one (``ray job submit`` logs, CI) the bar stays silent and the
+phase logs one line when it ends, so job logs stay readable.
+"""
 
 from __future__ import annotations
 
@@ -19,3 +24,19 @@ def setup_logging(level: str | int | None = None) -> None:
         root.addHandler(handler)
     logging.getLogger("hamo_ray").setLevel(level)
     root.setLevel(logging.WARNING)
+
+
+def progress_bar(total: int, desc: str, unit: str = "it"):
+    """A ``tqdm`` bar on a terminal, a silent one elsewhere (``bar.disable`` tells which)."""
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        dynamic_ncols=True,
+        leave=False,
+        disable=not sys.stderr.isatty(),
+    )

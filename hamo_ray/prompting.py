@@ -1,22 +1,57 @@
-"""The prompt format shared by training and inference, and the context rule.
+"""The prompt format shared by training and inference, the reply format, and the context rule.
 
-First user turn = task request + initial observation + injected experience (the retrieved cards,
-as text). Then alternating assistant action / user observation turns. Training examples and
-rollout requests are both built by ``build_messages``, so the model sees at inference exactly the
-format it was trained on.
+Messages: an optional system message (the domain's agent prompt, ``prompt.system_prompt``: role,
+action grammar, reply rule and optionally a worked example, from ``hamo_ray.envs.prompts``); then
+the first user turn = task request + initial observation + injected experience (the retrieved
+cards, as text); then alternating assistant reply / user observation turns. Training examples
+(``step_example``) and rollout requests are both built by ``build_messages``, so the model sees at
+inference exactly the format it was trained on; both render them with the tokenizer's chat
+template and the same template variables (``model.enable_thinking``, ``model.chat_template_kwargs``:
+``encode_chat`` here, the server's renderer in ``hamo_ray.serving.app``).
+
+Reply format (``prompt.reply_format``): ``action`` (the reply is one command) or ``react``
+(``Thought: ...`` then ``Action: ...``, as AgentGym and ETO data are written). ``parse_reply``
+reads either, after removing a reasoning block (``<think>...</think>``, also one left open by a
+reply cut off at ``max_tokens``), so an action is never ``<think>``.
 
 Context rule (keeps long episodes inside the context window):
 - the initial observation is cut to ``prompt.init_obs_max_chars`` characters, each later
   observation to ``prompt.obs_max_chars``, each injected card to ``prompt.card_max_chars``;
-- only the last ``prompt.history_turns`` (action, observation) turns follow the first user turn.
+- only the last ``prompt.history_turns`` (reply, observation) turns follow the first user turn.
 """
 
 from __future__ import annotations
 
-from hamo_ray.config import PromptConfig
-from hamo_ray.types import Card
+import re
+from typing import Any
 
+from hamo_ray.config import PromptConfig
+from hamo_ray.envs.prompts import format_reply, system_text
+from hamo_ray.types import Card, Trajectory
+
+__all__ = [
+    "INSTRUCTION",
+    "build_messages",
+    "clean_action",
+    "encode_chat",
+    "encode_example",
+    "first_user_message",
+    "format_fingerprint",
+    "format_reply",
+    "parse_reply",
+    "step_example",
+    "strip_reasoning",
+]
+
+# The one-sentence instruction of the short format (no system prompt), per reply format.
 INSTRUCTION = "You are an agent in a text environment. Reply with exactly one action per turn."
+INSTRUCTIONS = {
+    "action": INSTRUCTION,
+    "react": (
+        "You are an agent in a text environment. Each turn reply with 'Thought: ' and your reasoning, "
+        "then 'Action: ' and exactly one action."
+    ),
+}
 
 
 def clip(text: str, max_chars: int) -> str:
@@ -34,7 +69,9 @@ def format_experience(cards: list[Card], max_chars: int) -> str:
 
 
 def first_user_message(goal: str, init_obs: str, cards: list[Card], pcfg: PromptConfig) -> str:
-    parts = [INSTRUCTION, f"Task: {clip(goal, pcfg.init_obs_max_chars)}"]
+    """The first user turn: instruction (short format only), task, initial observation, experience."""
+    parts = [] if pcfg.system_prompt else [INSTRUCTIONS[pcfg.reply_format]]
+    parts.append(f"Task: {clip(goal, pcfg.init_obs_max_chars)}")
     parts.append(f"Observation: {clip(init_obs, pcfg.init_obs_max_chars)}")
     if cards:
         parts.append("Experience from similar tasks:\n" + format_experience(cards, pcfg.card_max_chars))
@@ -48,6 +85,9 @@ def build_messages(
     actions: list[str],
     observations: list[str],
     pcfg: PromptConfig,
+    *,
+    domain: str | None = None,
+    thoughts: list[str] | None = None,
 ) -> list[dict[str, str]]:
     """Chat messages for choosing the next action after ``actions``/``observations`` so far.
 
@@ -57,23 +97,92 @@ def build_messages(
         cards: injected experience (empty for methods without retrieval).
         actions: the actions taken so far.
         observations: the environment's answers to ``actions`` (same length).
-        pcfg: the context rule.
+        pcfg: the context rule, reply format and prompt switches.
+        domain: the task's domain; required with ``pcfg.system_prompt`` (its agent prompt).
+        thoughts: the thought before each action (react format; empty or None: none recorded).
 
     Returns:
         OpenAI-style messages ending with a user turn.
+
+    Raises:
+        ValueError: lengths differ, or the system prompt is on without a known ``domain``.
     """
     if len(actions) != len(observations):
         raise ValueError(f"{len(actions)} actions but {len(observations)} observations")
-    messages = [{"role": "user", "content": first_user_message(goal, init_obs, cards, pcfg)}]
+    thoughts = list(thoughts or [])
+    if thoughts and len(thoughts) != len(actions):
+        raise ValueError(f"{len(thoughts)} thoughts but {len(actions)} actions")
+    messages = []
+    if pcfg.system_prompt:
+        if domain is None:
+            raise ValueError("prompt.system_prompt is on: build_messages needs the task's domain")
+        text = system_text(domain, pcfg.reply_format, pcfg.in_context_example)
+        messages.append({"role": "system", "content": text})
+    messages.append({"role": "user", "content": first_user_message(goal, init_obs, cards, pcfg)})
     start = max(0, len(actions) - pcfg.history_turns)
-    for action, obs in zip(actions[start:], observations[start:], strict=True):
-        messages.append({"role": "assistant", "content": clean_action(action)})
-        messages.append({"role": "user", "content": clip(obs, pcfg.obs_max_chars) or "(no output)"})
+    for k in range(start, len(actions)):
+        thought = thoughts[k] if thoughts else ""
+        reply = format_reply(clean_action(actions[k]), thought, pcfg.reply_format)
+        messages.append({"role": "assistant", "content": reply})
+        messages.append(
+            {"role": "user", "content": clip(observations[k], pcfg.obs_max_chars) or "(no output)"}
+        )
     return messages
 
 
-def clean_action(text: str) -> str:
-    """The action in a model reply: its first non-empty line, whitespace normalised."""
+def step_example(
+    traj: Trajectory, k: int, cards: list[Card], pcfg: PromptConfig
+) -> tuple[list[dict[str, str]], str]:
+    """The messages before step ``k`` of ``traj`` and the reply to train on (in ``pcfg.reply_format``).
+
+    The messages are what a rollout would have sent at step ``k`` (same ``build_messages`` call,
+    with the trajectory's domain, its thoughts so far and ``cards``); the reply is the action, or
+    ``Thought: ...\\nAction: ...`` (``Action: ...`` alone where the step has no thought).
+    """
+    thoughts = list(traj.thoughts)
+    messages = build_messages(
+        traj.goal,
+        traj.init_obs,
+        cards,
+        traj.actions[:k],
+        traj.observations[:k],
+        pcfg,
+        domain=traj.task.domain,
+        thoughts=thoughts[:k],
+    )
+    reply = format_reply(clean_action(traj.actions[k]), thoughts[k] if thoughts else "", pcfg.reply_format)
+    return messages, reply
+
+
+def format_fingerprint(pcfg: PromptConfig, domains: list[str]) -> str:
+    """A short hash of the prompt text a config renders for ``domains`` (instruction, system prompts).
+
+    Caches of artefacts trained on the prompt format (the embedded backbone) put it in their key,
+    so a changed prompt text, not only a changed setting, rebuilds them.
+    """
+    import hashlib
+
+    parts = [pcfg.model_dump_json(), INSTRUCTIONS[pcfg.reply_format]]
+    if pcfg.system_prompt:
+        parts += [system_text(d, pcfg.reply_format, pcfg.in_context_example) for d in sorted(domains)]
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:12]
+
+
+_THINK_BLOCK = re.compile(r"<think>.*?</think>", re.S)
+
+
+def strip_reasoning(text: str) -> str:
+    """``text`` without reasoning: closed ``<think>`` blocks, text before a lone ``</think>`` (a block
+    the prompt opened), and everything from an unclosed ``<think>`` on (a reply cut off mid-thought)."""
+    text = _THINK_BLOCK.sub("", text)
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    if "<think>" in text:
+        text = text.split("<think>", 1)[0]
+    return text
+
+
+def _first_line(text: str) -> str:
     for line in text.strip().splitlines():
         line = " ".join(line.split())
         if line:
@@ -81,24 +190,100 @@ def clean_action(text: str) -> str:
     return ""
 
 
-def encode_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-    """Token ids of ``messages`` under the tokenizer's chat template (the serving path does the same)."""
+def parse_reply(text: str, reply_format: str = "action") -> tuple[str, str]:
+    """The (thought, action) of a model reply.
+
+    Reasoning blocks are removed first (``strip_reasoning``). Then, in either format, when the
+    reply has an ``Action:`` marker the action is the first non-empty line after its last one,
+    and the thought is what precedes it, less a leading ``Thought:``; otherwise the action is the
+    first non-empty line (in ``react`` format a reply holding only ``Thought: ...`` has no action:
+    ``""``, which the environment answers as an invalid action). Whitespace is normalised.
+
+    Args:
+        text: the raw reply.
+        reply_format: ``"action"`` or ``"react"`` (``prompt.reply_format``).
+
+    Returns:
+        ``(thought, action)``; ``thought`` is ``""`` when there is none.
+    """
+    if reply_format not in ("action", "react"):
+        raise ValueError(f"prompt.reply_format must be 'action' or 'react', got {reply_format!r}")
+    text = strip_reasoning(text)
+    cut = text.rfind("Action:")
+    if cut >= 0:
+        head, action = text[:cut], _first_line(text[cut + len("Action:") :])
+        thought = head.split("Thought:", 1)[1] if "Thought:" in head else head
+        return " ".join(thought.split()), action
+    stripped = text.strip()
+    if stripped.startswith("Thought:"):
+        return " ".join(stripped[len("Thought:") :].split()), ""
+    return "", _first_line(text)
+
+
+def clean_action(text: str, reply_format: str = "action") -> str:
+    """The action in a model reply (see ``parse_reply``): never a reasoning tag, never multi-line."""
+    return parse_reply(text, reply_format)[1]
+
+
+def encode_chat(
+    tokenizer,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of ``messages`` under the tokenizer's chat template (the server renders the same way).
+
+    ``chat_template_kwargs`` (``ModelConfig.template_kwargs()``, e.g. ``enable_thinking``) are the
+    template variables; templates that do not use a variable ignore it.
+
+    Raises:
+        ValueError: ``chat_template_kwargs`` is None while the template has a thinking switch: the
+            caller must decide it (``{}`` keeps the template's default), since a default-on switch
+            would train every target to start with a think block.
+    """
+    if chat_template_kwargs is None and "enable_thinking" in (
+        getattr(tokenizer, "chat_template", None) or ""
+    ):
+        raise ValueError(
+            "the chat template has an enable_thinking switch: pass chat_template_kwargs "
+            "(ModelConfig.template_kwargs(), the variables the server renders with)"
+        )
     ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=True,
+        return_dict=False,
+        **(chat_template_kwargs or {}),
     )
     return list(ids)
 
 
-def encode_example(tokenizer, messages: list[dict[str, str]], action: str) -> tuple[list[int], list[int]]:
+def encode_example(
+    tokenizer,
+    messages: list[dict[str, str]],
+    reply: str,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> tuple[list[int], list[int]]:
     """Token ids and labels of one behavioural-cloning example.
 
-    The labels equal the ids on the assistant action tokens (the action text and the end-of-turn
-    token that stops generation) and are -100 everywhere else: the loss covers action tokens only.
+    The ids are the generation prompt (exactly what the server renders for ``messages``) followed
+    by the tokens the template puts after it for the assistant ``reply``, up to and including the
+    end-of-turn token that stops generation. The labels equal the ids on those reply tokens and
+    are -100 on the prompt: the loss covers the reply only. With Qwen3's template and thinking
+    off, the prompt ends with the empty think block and the target is ``REPLY<|im_end|>``.
+
+    Raises:
+        ValueError: as ``encode_chat``; or the template renders the conversation with the reply so that it does not
+            start with the generation prompt (training would then see another prompt than inference).
     """
-    prompt = encode_chat(tokenizer, messages, add_generation_prompt=True)
-    full = encode_chat(tokenizer, [*messages, {"role": "assistant", "content": clean_action(action)}], False)
+    kwargs = chat_template_kwargs
+    prompt = encode_chat(tokenizer, messages, True, kwargs)
+    full = encode_chat(tokenizer, [*messages, {"role": "assistant", "content": reply.strip()}], False, kwargs)
     if full[: len(prompt)] != prompt:
-        raise ValueError("the chat template does not extend the generation prompt with the reply")
+        raise ValueError(
+            "the chat template does not extend the generation prompt with the reply "
+            f"(template variables {kwargs}): training would not see the inference prompt"
+        )
     target = full[len(prompt) :]
     eos = tokenizer.eos_token_id
     if eos is not None and eos in target:

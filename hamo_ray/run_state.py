@@ -23,6 +23,9 @@ import json
 import logging
 import os
 import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -42,6 +45,30 @@ def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+class PhaseClock:
+    """Wall seconds per named phase, for ``StageResult.seconds`` and ``state.json``'s timings::
+
+        clock = PhaseClock()
+        with clock("train"):
+            ...
+        clock.seconds  # {"train": 12.3}
+
+    Args:
+        into: the dict to record into (e.g. ``RunFolder.timings``); a new one when None.
+    """
+
+    def __init__(self, into: dict[str, float] | None = None) -> None:
+        self.seconds: dict[str, float] = {} if into is None else into
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:  # a phase entered twice adds up
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
 
 def _write_jsonl(path: Path, items: list[Trajectory]) -> None:
@@ -131,6 +158,14 @@ class RunFolder:
         if not f.exists():
             return None
         return [Trajectory.model_validate_json(line) for line in f.read_text().splitlines() if line.strip()]
+
+    def anchors(self, results: list[StageResult]) -> list[Trajectory]:
+        """The anchor trajectories of committed stages (what replay samples from)."""
+        out = []
+        for r in results:
+            chosen = set(r.anchors)
+            out += [t for t in self.load_trajectories(r.stage) or [] if r.stage > 0 and t.id in chosen]
+        return out
 
     def save_episodes(self, stage: int, domain: str, trajs: list[Trajectory]) -> None:
         _write_jsonl(self.path / "episodes" / f"stage-{stage}-{domain}.jsonl", trajs)

@@ -19,10 +19,14 @@ Usage::
 from __future__ import annotations
 
 import heapq
+import logging
+import random
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -263,7 +267,7 @@ def knee_point(curve: list[float] | np.ndarray) -> int:
 def coverage_select(
     embeddings: np.ndarray, k: int = 3, min_budget: int = 1, batch_size: int = 2048
 ) -> SelectionResult:
-    """Select compact, complementary anchors by retrieval coverage (METHOD.md step 2).
+    """Select compact, complementary anchors by retrieval coverage (docs/method.md step 2).
 
     Args:
         embeddings: ``(n, d)`` card embeddings of one stage.
@@ -306,3 +310,40 @@ def coverage_select(
         full_gains=list(gains),
         n_hits=[len(s) for s in sets],
     )
+
+
+def select_anchors(
+    trajectories: list[Any], vectors: np.ndarray | None, k: int, min_budget: int, batch_size: int
+) -> tuple[list[Any], int]:
+    """A stage's anchors: its trajectories in coverage order, cut at the knee (docs/method.md step 2).
+
+    Args:
+        trajectories: the stage's trajectories, in the order of ``vectors``' rows.
+        vectors: their cards' embeddings; None: no selection, every trajectory is an anchor.
+        k: leave-one-out neighbours per card.
+        min_budget: never fewer anchors than this.
+        batch_size: rows per similarity block.
+
+    Returns:
+        ``(anchors, budget)``.
+    """
+    if vectors is None:
+        return list(trajectories), len(trajectories)
+    result = coverage_select(vectors, k=k, min_budget=min_budget, batch_size=batch_size)
+    logger.info("select: budget %d of %d (coverage curve %s)", result.budget, len(trajectories), result.curve)
+    return [trajectories[i] for i in result.order], result.budget
+
+
+def sample_replay(earlier: list[Any], n_anchors: int, ratio: float, seed: int) -> list[Any]:
+    """Replay (docs/method.md step 3): ``ratio`` x ``n_anchors`` of the earlier stages' anchors, at random.
+
+    Args:
+        earlier: the anchors of the stages committed so far.
+        n_anchors: this stage's anchors.
+        ratio: replayed per anchor (``replay.ratio``).
+        seed: the sample's seed (fixed per run and stage, so a redone stage replays the same).
+    """
+    n = min(len(earlier), round(ratio * n_anchors))
+    picked = random.Random(seed).sample(earlier, n) if n else []
+    logger.info("replay: %d of %d earlier anchors", len(picked), len(earlier))
+    return picked

@@ -3,6 +3,10 @@
 Every arrow of the stage data flow (collect -> distil -> select -> replay -> train -> publish ->
 evaluate -> commit) carries one of these types, never an untyped dict. They are plain, frozen
 pydantic models: cheap to pickle through Ray, easy to write as JSON lines, and validated on the way in.
+
+The id and key formats are defined here and nowhere else: ``TaskSpec.id``
+(``domain/task/split/variation``), :func:`trajectory_id` (``<task id>/<source>``), :func:`card_id`
+(a hash of the trajectory id) and :func:`key_text` (what is embedded for retrieval).
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ class Trajectory(_Frozen):
     init_obs: str
     actions: list[str] = Field(default_factory=list)
     observations: list[str] = Field(default_factory=list)
+    # Optional reasoning before each action (ReAct "Thought: ..."), e.g. from imported expert data:
+    # empty, or one entry per action ("" where a step has none).
+    thoughts: list[str] = Field(default_factory=list)
     score: float = 0.0
     done: bool = False
     source: str = "policy"  # "expert" (gold actions) or "policy" (the served model)
@@ -55,6 +62,10 @@ class Trajectory(_Frozen):
             raise ValueError(
                 f"trajectory {self.task.id}: {len(self.actions)} actions but {len(self.observations)} observations"
             )
+        if self.thoughts and len(self.thoughts) != len(self.actions):
+            raise ValueError(
+                f"trajectory {self.task.id}: {len(self.thoughts)} thoughts but {len(self.actions)} actions"
+            )
         if not 0.0 <= self.score <= 100.0:
             raise ValueError(f"trajectory {self.task.id}: score {self.score} outside 0-100")
         return self
@@ -62,16 +73,31 @@ class Trajectory(_Frozen):
     @property
     def id(self) -> str:
         """Stable id: the task and the source (one expert trajectory per task variation)."""
-        return f"{self.task.id}/{self.source}"
+        return trajectory_id(self.task, self.source)
+
+    @property
+    def card_id(self) -> str:
+        """The id of the experience card distilled from this trajectory."""
+        return card_id(self.id)
 
     @property
     def num_turns(self) -> int:
         return len(self.actions)
 
 
+def trajectory_id(task: TaskSpec, source: str) -> str:
+    """A trajectory's id: its task's and its source's (``expert`` or ``policy``)."""
+    return f"{task.id}/{source}"
+
+
 def card_id(trajectory_id: str) -> str:
     """Card ids derive from the trajectory, so a re-run never creates a second card for it."""
     return hashlib.sha1(trajectory_id.encode()).hexdigest()[:16]
+
+
+def key_text(goal: str, init_obs: str) -> str:
+    """The text embedded for a card and for a retrieval query: the goal, then the initial observation."""
+    return f"{goal}\n{init_obs}"
 
 
 class Card(_Frozen):
@@ -95,7 +121,7 @@ class Card(_Frozen):
     @property
     def key_text(self) -> str:
         """The text that is embedded and matched at retrieval time: (goal, initial observation)."""
-        return f"{self.goal}\n{self.init_obs}"
+        return key_text(self.goal, self.init_obs)
 
 
 class StageResult(_Frozen):
@@ -114,3 +140,11 @@ class StageResult(_Frozen):
     train_loss: float | None
     scores: dict[str, float]  # domain -> mean score (0-100) on its test set
     seconds: dict[str, float]  # phase -> wall seconds
+
+    @classmethod
+    def initial(cls, method: str, scores: dict[str, float], seconds: dict[str, float]) -> StageResult:
+        """Stage 0: the evaluation before any stage (no data, no adapter)."""
+        return cls(
+            stage=0, method=method, num_trajectories=0, num_cards=0, budget=0, anchors=[], replay=[],
+            adapter=None, adapter_name=None, train_loss=None, scores=scores, seconds=seconds,
+        )  # fmt: skip

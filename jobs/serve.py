@@ -1,6 +1,7 @@
 """Serve a run: its backbone, every stage adapter and its harness, behind one OpenAI-compatible API.
 
-On this machine (starts a local Ray; Ctrl-C stops it)::
+On this machine (joins the Ray cluster a ``ray start`` runs here, else starts a private one;
+``ray.address=local`` always a private one; Ctrl-C stops it)::
 
     python jobs/serve.py --run runs/tiny-hamo-s0 [--stage 2] [--port 8000] [--api-key KEY] [serve.x=y ...]
 
@@ -14,9 +15,9 @@ missing there are uploaded, and every replica downloads what it serves)::
 names the stream used (``stage-<t>``); the latest stage is the current adapter. Without
 ``--stage`` the job keeps reading ``state.json`` (every ``serve.poll_interval_s``) and publishes the
 stages a still-running stream commits, each proven live before it is listed; ``--stage t`` serves
-stages 1..t only and retrieves only their cards. The harness answers ``POST /harness/retrieve``,
-and a chat request with a ``"hamo": {"goal", "init_obs", "k"}`` field gets the retrieved cards
-injected in the training format. The API key comes from ``--api-key``, else ``HAMO_API_KEY``, else
+stages 1..t only and retrieves only their cards. The harness answers ``POST /harness/retrieve``;
+a client builds HaMo's prompt from the cards with ``hamo_ray.prompting.build_messages`` (the
+function training uses), as the rollout workers do. The API key comes from ``--api-key``, else ``HAMO_API_KEY``, else
 ``serve.api_key``; dotted overrides apply to the run's config.yaml (e.g. ``serve.num_replicas=2``).
 """
 
@@ -68,149 +69,16 @@ def _model_path(cfg: HamoConfig, run: Path) -> str:
     raise ConfigError(f"the run's embedded backbone is not built at {path} (run the stream first)")
 
 
-def _start_ray(cfg: HamoConfig) -> bool:
-    """Connect to ``ray.address``/RAY_ADDRESS, else start a local Ray; True when started here."""
-    import ray
+def run_services(run: Path, cfg: HamoConfig, max_stage: int | None):
+    """The ``Services`` that serve ``run``: with the harness when the run has a memory."""
+    from hamo_ray.run_state import RunFolder
+    from hamo_ray.runtime import Services
 
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, configure_logging=False)
-        return False
-    cpus = cfg.ray.num_cpus or max(4, 2 * (os.cpu_count() or 1))
-    # address="local": our own Ray even when `ray start` runs a cluster here (join it: ray.address=auto)
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, configure_logging=False)
-    return True
-
-
-class RunServer:
-    """Serves one run folder; ``publish_new`` publishes the committed stages not served yet."""
-
-    def __init__(self, run: Path, cfg: HamoConfig, max_stage: int | None) -> None:
-        from hamo_ray.run_state import RunFolder
-
-        self.folder = RunFolder(run, cfg)
-        self.cfg = cfg
-        self.max_stage = max_stage
-        from hamo_ray.serving.objstore import ObjectStore, ObjectStoreError, is_uri
-
-        store = cfg.serve.adapter_store
-        self.remote = None
-        if is_uri(store):  # replicas download from the store; missing stages are uploaded first
-            try:
-                self.remote = ObjectStore(store)
-            except ObjectStoreError as exc:
-                raise ConfigError(f"serve.adapter_store: {exc}") from None
-            self.adapter_root: str | Path = store
-        else:
-            self.adapter_root = Path(store).expanduser().resolve() if store else self.folder.adapters_dir
-        self.served: dict[int, str] = {}
-        self.failed: set[int] = set()
-        self.url = ""
-
-    def start(self) -> str:
-        from ray import serve
-
-        from hamo_ray.serving import start_policy_server, wait_healthy
-        from hamo_ray.serving.harness import build_harness_app
-
-        cfg, scfg = self.cfg, self.cfg.serve
-        serve.start(http_options={"host": scfg.host, "port": scfg.port})
-        harness_app = None
-        prefix = scfg.route_prefix.rstrip("/")
-        if Path(self.folder.memory_uri).exists() or "://" in self.folder.memory_uri:
-            harness_app = f"{scfg.app_name}-harness"
-            app = build_harness_app(
-                self.folder.memory_uri,
-                cfg.memory,
-                scfg.harness_num_cpus,
-                api_key=scfg.api_key,
-                max_request_bytes=scfg.max_request_bytes,
-                max_stage=self.max_stage,
-            )
-            serve.run(app, name=harness_app, route_prefix=f"{prefix}/harness", blocking=False)
-        else:
-            logger.warning("no memory at %s: serving without the harness", self.folder.memory_uri)
-        self.url = start_policy_server(
-            _model_path(cfg, self.folder.path),
-            cfg.model,
-            scfg,
-            self.adapter_root,
-            max_lora_rank=scfg.max_lora_rank,
-            harness_app=harness_app,
-            prompt_cfg=cfg.prompt,
-            top_k=cfg.memory.top_k,
-        )
-        if harness_app:
-            wait_healthy(f"{self.url}/harness", api_key=scfg.api_key)
-        return self.url
-
-    def publish_new(self, strict: bool) -> list[str]:
-        """Publish (and prove live) the committed stages not served yet; returns their names.
-
-        Raises:
-            AdapterNotLiveError: with ``strict``, the first adapter that cannot be proven live.
-        """
-        from hamo_ray.serving import AdapterNotLiveError, publish_adapter
-
-        published = []
-        for result in self.folder.stages():
-            stage = result.stage
-            if not result.adapter or stage in self.served or stage in self.failed:
-                continue
-            if self.max_stage is not None and stage > self.max_stage:
-                continue
-            try:
-                path = self._adapter_path(result.adapter)
-                info = publish_adapter(
-                    self.url,
-                    result.adapter_name,
-                    str(path),
-                    self.cfg.serve.probe_prompt,
-                    self.cfg.serve.probe_tokens,
-                    api_key=self.cfg.serve.api_key,
-                )
-            except AdapterNotLiveError:
-                if strict:
-                    raise
-                logger.exception("stage %d adapter %s not published", stage, result.adapter)
-                self.failed.add(stage)
-                continue
-            self.served[stage] = result.adapter_name
-            published.append(result.adapter_name)
-            logger.info("published stage %d as %r (%s)", stage, result.adapter_name, info["status"])
-        return published
-
-    def _adapter_path(self, adapter: str) -> str:
-        """The path a replica loads a stage's adapter from: in the store (uploaded if missing), or local."""
-        from hamo_ray.serving import AdapterNotLiveError
-        from hamo_ray.serving.objstore import ObjectStoreError
-
-        name = Path(adapter).name
-        if self.remote is None:
-            return str(Path(self.adapter_root) / name)
-        local = self.folder.path / adapter
-        try:
-            if local.is_dir():  # uploaded unless the store holds the same files
-                self.remote.put(local, name)
-            elif not self.remote.exists(name):
-                raise AdapterNotLiveError(f"{name} is neither in the adapter store nor at {local}")
-        except (ObjectStoreError, OSError) as exc:
-            raise AdapterNotLiveError(f"cannot put {local} into serve.adapter_store: {exc}") from exc
-        return name
-
-    def current(self) -> str:
-        return self.served[max(self.served)] if self.served else self.cfg.model.name
-
-    def stop(self) -> None:
-        from ray import serve
-
-        from hamo_ray.serving import shutdown_policy_server
-
-        try:
-            serve.delete(f"{self.cfg.serve.app_name}-harness")
-        except Exception:
-            logger.debug("no harness to delete", exc_info=True)
-        shutdown_policy_server(self.cfg.serve)
+    folder = RunFolder(run, cfg)
+    has_memory = Path(folder.memory_uri).exists() or "://" in folder.memory_uri
+    if not has_memory:
+        logger.warning("no memory at %s: serving without the harness", folder.memory_uri)
+    return Services(cfg, folder, harness=has_memory, max_stage=max_stage)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,32 +105,38 @@ def main(argv: list[str] | None = None) -> int:
         update = {"api_key": args.api_key or os.environ.get("HAMO_API_KEY") or cfg.serve.api_key}
         update |= {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
         cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update=update)})
-        server = RunServer(run, cfg, args.stage)
-        committed = {s.stage for s in server.folder.stages()}
+        services = run_services(run, cfg, args.stage)
+        committed = {s.stage for s in services.folder.stages()}
         if args.stage is not None and args.stage not in committed:
             raise ConfigError(
                 f"stage {args.stage} is not committed in {run}/state.json (has {sorted(committed)})"
             )
-        _model_path(cfg, run)
+        model_path = _model_path(cfg, run)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
+    from hamo_ray.runtime import start_ray
+
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    started_ray = _start_ray(cfg)
+    started_ray = start_ray(cfg.ray)
+
+    def current() -> str:  # the latest stage's adapter is the current model
+        return services.served[max(services.served)] if services.served else cfg.model.name
+
     try:
-        url = server.start()
-        server.publish_new(strict=True)
-        names = [cfg.model.name, *server.served.values()]
-        print(f"serving {run.name} at {url}/v1: models {names}, current {server.current()!r}", flush=True)
+        url = services.start(model_path).base_url
+        services.publish_committed(strict=True)
+        names = [cfg.model.name, *services.served.values()]
+        print(f"serving {run.name} at {url}/v1: models {names}, current {current()!r}", flush=True)
         while not stop.wait(cfg.serve.poll_interval_s):
             if args.stage is None:
-                for name in server.publish_new(strict=False):
-                    print(f"new adapter {name!r} live; current {server.current()!r}", flush=True)
+                for name in services.publish_committed(strict=False):
+                    print(f"new adapter {name!r} live; current {current()!r}", flush=True)
     finally:
-        server.stop()
+        services.stop()
         if started_ray:
             import ray
 

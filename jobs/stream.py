@@ -10,6 +10,13 @@ Against a running cluster (``ray start --head`` or ``ray up cluster.yaml``)::
 
 The run folder is ``run.root/run.id`` (see hamo_ray/run_state.py); resubmitting the same command
 resumes after the last committed stage.
+
+Check a config first, without a GPU or a run (data sources, one rendered training example and
+inference prompt per domain with token counts, the resource plan; see hamo_ray/dryrun.py)::
+
+    python jobs/stream.py --config jobs/configs/paper-qwen3-8b-cross.yaml --dry-run
+
+Exit status 2: a configuration error or a missing data source, named on stderr.
 """
 
 from __future__ import annotations
@@ -33,11 +40,21 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", help="YAML file with the settings that differ from the defaults")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check data sources, render one prompt per domain, plan resources; no GPU, no run",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=1")
     args = parser.parse_args(argv)
     setup_logging()
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.dry_run:
+            from hamo_ray.dryrun import dry_run
+
+            dry_run(cfg)
+            return 0
         from hamo_ray.stream import Stream
 
         stream = Stream(cfg, config_name=Path(args.config).stem if args.config else "run")

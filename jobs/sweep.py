@@ -1,6 +1,6 @@
 """Run a sweep: methods x models x domain orders x seeds, each cell a stream run, then aggregate.
 
-On this machine (starts a local Ray)::
+On this machine (joins the Ray cluster a ``ray start`` runs here, else starts a private one)::
 
     python jobs/sweep.py --config jobs/configs/sweep-tiny.yaml [root=runs/other parallel=2]
 
@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sweep, base = load_sweep(args.config, args.overrides)
         cells = expand_cells(sweep, base)
+        for name, cfg in cells:  # a shared endpoint loads adapters from the sweep root, not a store
+            if cfg.serve.adapter_store:
+                raise ConfigError(
+                    f"cell {name}: serve.adapter_store is not supported in a sweep (shared endpoints)"
+                )
         streams = {name: Stream(cfg) for name, cfg in cells}  # validates every cell before any work
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -68,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_cells(sweep, cells, streams, todo) -> None:
     import ray
 
-    from hamo_ray.serving import shutdown_policy_server, start_policy_server
+    from hamo_ray.runtime import start_shared_policy, stop_shared_policy
 
     cfgs = dict(cells)
     servers: dict[str, str] = {}  # backbone path -> endpoint
@@ -79,14 +84,7 @@ def run_cells(sweep, cells, streams, todo) -> None:
         for name in todo:
             path = streams[name].prepare_backbone()
             if path not in servers:
-                cfg = cfgs[name]
-                servers[path] = start_policy_server(
-                    path,
-                    cfg.model,
-                    cfg.serve.model_copy(update={"app_name": f"{cfg.serve.app_name}-{len(servers)}"}),
-                    adapter_root=str(Path(cfg.run.root).resolve()),
-                    max_lora_rank=cfg.serve.max_lora_rank,
-                )
+                servers[path] = start_shared_policy(cfgs[name], path, len(servers))
             urls[name] = servers[path]
         task = ray.remote(run_cell).options(
             resources=_custom(sweep.cell_resources),
@@ -111,9 +109,7 @@ def run_cells(sweep, cells, streams, todo) -> None:
                     logger.error("sweep: cell %s failed: %s", name, exc)
     finally:
         for n in range(len(servers)):
-            shutdown_policy_server(
-                first_cfg.serve.model_copy(update={"app_name": f"{first_cfg.serve.app_name}-{n}"})
-            )
+            stop_shared_policy(first_cfg, n)
 
 
 def _custom(resources: dict[str, float]) -> dict[str, float]:

@@ -19,10 +19,12 @@ from hamo_ray.memory.embed import Embedder, key_text
 from hamo_ray.memory.pipeline import (
     Rejection,
     WriteReport,
+    add_stage_cards,
     build_cards_dataset,
     distil_batch,
     release_internalised,
     retrieve,
+    training_experience,
     write_cards,
     write_cards_report,
 )
@@ -37,6 +39,7 @@ __all__ = [
     "OutlineDistiller",
     "Rejection",
     "WriteReport",
+    "add_stage_cards",
     "build_cards_dataset",
     "card_from_trajectory",
     "card_schema",
@@ -48,6 +51,7 @@ __all__ = [
     "release_internalised",
     "retrieve",
     "to_card_table",
+    "training_experience",
     "write_cards",
     "write_cards_report",
 ]

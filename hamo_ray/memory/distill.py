@@ -1,7 +1,7 @@
 """Distillers: trajectory -> solution outline -> experience card.
 
 A distiller turns a trajectory's action sequence into a short, strategy-level *solution outline*
-(METHOD.md: ``z_i``). The offline default is :class:`OutlineDistiller` ("outline"), a deterministic
+(docs/method.md: ``z_i``). The offline default is :class:`OutlineDistiller` ("outline"), a deterministic
 rule set: navigation chains become ``navigate to X``, non-progress actions (``look around``,
 ``inventory``) are dropped, repeats and repeated blocks are collapsed, and the steps are numbered,
 keeping the concrete object names so that a tiny model can copy them. The LLM distiller ("llm",
@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from hamo_ray.types import Card, Trajectory, card_id
+from hamo_ray.types import Card, Trajectory
 
 if TYPE_CHECKING:
     from hamo_ray.config import MemoryConfig
@@ -207,10 +207,10 @@ def card_from_trajectory(traj: Trajectory, stage: int, outline: str) -> Card:
         outline: its solution outline (from a distiller).
 
     Returns:
-        The card; its id is ``card_id(traj.id)``, so a re-run gives the same id.
+        The card; its id is ``traj.card_id``, so a re-run gives the same id.
     """
     return Card(
-        id=card_id(traj.id),
+        id=traj.card_id,
         trajectory_id=traj.id,
         domain=traj.task.domain,
         task=traj.task.task,

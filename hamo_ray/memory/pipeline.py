@@ -1,6 +1,6 @@
 """Ray Data pipeline that turns trajectories into stored experience cards, and retrieval.
 
-Stage step 2 (DESIGN.md: distil)::
+Stage step 2 (docs/architecture.md: distil)::
 
     trajectories (minus those already stored) -> from_items -> map_batches(distil, bounded task pool)
         -> map_batches(Embedder, actor pool) -> rows
@@ -38,7 +38,7 @@ from hamo_ray.memory.distill import card_from_trajectory, get_distiller
 from hamo_ray.memory.embed import Embedder, key_text
 from hamo_ray.memory.schema import CARD_FIELDS
 from hamo_ray.memory.store import MemoryStore
-from hamo_ray.types import Card, TaskSpec, Trajectory, card_id
+from hamo_ray.types import Card, TaskSpec, Trajectory, trajectory_id
 
 if TYPE_CHECKING:
     import ray.data
@@ -86,7 +86,7 @@ def _parse(raw: Any) -> tuple[Trajectory | None, str | None, str]:
     tid = None  # the trajectory's id, when its task parses even though the rest may not
     if isinstance(data, dict) and isinstance(data.get("task"), dict):
         try:
-            tid = f"{TaskSpec.model_validate(data['task']).id}/{data.get('source', 'policy')}"
+            tid = trajectory_id(TaskSpec.model_validate(data["task"]), data.get("source", "policy"))
         except ValueError:
             pass
     try:
@@ -182,7 +182,7 @@ def build_cards_dataset(
 
     items = [{"row": i, "trajectory": _encode(t)} for i, t in enumerate(trajectories)]
     if store is not None:
-        known = {i: card_id(t.id) for i, t in enumerate(trajectories) if isinstance(t, Trajectory)}
+        known = {i: t.card_id for i, t in enumerate(trajectories) if isinstance(t, Trajectory)}
         stored = store.existing_ids(list(known.values()))
         if stored:
             items = [it for it in items if known.get(it["row"]) not in stored]
@@ -253,13 +253,29 @@ def write_cards_report(ds: ray.data.Dataset, store: MemoryStore, batch_size: int
     return report
 
 
+def add_stage_cards(store: MemoryStore, trajectories: Sequence[Trajectory], stage: int, mcfg: MemoryConfig):
+    """Stage step 2: distil and embed a stage's trajectories into ``store`` and log what happened.
+
+    Returns:
+        The :class:`WriteReport`.
+    """
+    report = write_cards_report(build_cards_dataset(trajectories, stage, mcfg, store=store), store)
+    logger.info(
+        "distil: %d new cards, %d rejected, %d distiller fallbacks (memory holds %d)",
+        report.added, len(report.rejected), report.fallbacks, store.count(),
+    )  # fmt: skip
+    for rejection in report.rejected[:5]:
+        logger.warning("distil: rejected %s", rejection)
+    return report
+
+
 def write_cards(ds: ray.data.Dataset, store: MemoryStore, batch_size: int = 256) -> int:
     """Like :func:`write_cards_report`, returning only how many cards were added."""
     return write_cards_report(ds, store, batch_size).added
 
 
 def release_internalised(store: MemoryStore, trajectories: Sequence[Trajectory], mcfg: MemoryConfig) -> int:
-    """METHOD.md step 6: mark the cards of trained trajectories of high quality as released.
+    """docs/method.md step 6: mark the cards of trained trajectories of high quality as released.
 
     Called when ``method.release`` is on; released cards stay in the table, search skips them.
 
@@ -271,8 +287,32 @@ def release_internalised(store: MemoryStore, trajectories: Sequence[Trajectory],
     Returns:
         How many cards were newly released.
     """
-    ids = [card_id(t.id) for t in trajectories if t.score >= mcfg.release_min_score]
+    ids = [t.card_id for t in trajectories if t.score >= mcfg.release_min_score]
     return store.release(ids)
+
+
+def training_experience(
+    store: MemoryStore, trajectories: Sequence[Trajectory], k: int, max_stage: int | None = None
+) -> dict[str, list[Card]]:
+    """The cards injected into each trajectory's training example: retrieved, never its own card.
+
+    The query is the trajectory's own stored card vector (its key embedding), so the trajectories
+    must already be in ``store`` (distilled by this pipeline).
+
+    Args:
+        store: the memory holding the trajectories' cards.
+        trajectories: the training trajectories.
+        k: cards per trajectory.
+        max_stage: only cards of stages up to this one (the memory ``M_t`` of stage t).
+
+    Returns:
+        Trajectory id -> up to ``k`` cards, most similar first.
+    """
+    if not trajectories:
+        return {}
+    ids = [t.card_id for t in trajectories]
+    hits = store.search(store.vectors(ids), k=k, exclude_ids=[{i} for i in ids], max_stage=max_stage)
+    return {t.id: [c for c, _ in h] for t, h in zip(trajectories, hits, strict=True)}
 
 
 def retrieve(

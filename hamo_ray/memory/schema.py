@@ -1,6 +1,6 @@
 """The ``cards`` table schema and the validation of rows written to it.
 
-The schema is the ``Card`` type, a ``released`` flag (METHOD.md step 6: a released card stays stored
+The schema is the ``Card`` type, a ``released`` flag (docs/method.md step 6: a released card stays stored
 but retrieval skips it) and a fixed-size float32 ``vector`` column of the embedding width::
 
     schema = card_schema(384)

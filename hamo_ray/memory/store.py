@@ -5,7 +5,7 @@ The table schema is the ``Card`` type, a ``released`` flag and a fixed-size floa
 cosine similarity: exact (flat scan) while the table holds fewer than ``index_threshold`` rows, and
 through an ANN index (IVF_SQ by default: ``nprobes`` partitions, exact re-ranking of
 ``refine_factor * k`` candidates) once :meth:`MemoryStore.ensure_index` has built it past the threshold. Released cards
-(METHOD.md step 6) stay stored and are skipped by search. ``uri`` is any LanceDB URI: a local folder
+(docs/method.md step 6) stay stored and are skipped by search. ``uri`` is any LanceDB URI: a local folder
 (the embedded default), an object store (``s3://bucket/path``, credentials from the environment) or
 a LanceDB server. One process writes a table (the stream driver); any number read it::
 
@@ -177,7 +177,7 @@ class MemoryStore:
         return found
 
     def release(self, ids: Sequence[str]) -> int:
-        """Mark cards as released (METHOD.md step 6): they stay stored, search skips them.
+        """Mark cards as released (docs/method.md step 6): they stay stored, search skips them.
 
         Args:
             ids: card ids; unknown ids are ignored.

@@ -6,7 +6,8 @@ request from many concurrent episodes arrives batched at the vLLM engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from hamo_ray.types import Card
 
@@ -23,6 +24,11 @@ class PolicySpec:
     top_k: int = 2
     timeout_s: float = 120.0
     seed: int | None = None
+    # Chat template variables sent with every request (ModelConfig.template_kwargs(): enable_thinking,
+    # ...), so the server renders exactly what training rendered, whatever its own defaults.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The endpoint's serve.api_key, sent as a bearer token to both apps (kept out of reprs and logs).
+    api_key: str | None = field(default=None, repr=False)
 
 
 class PolicyClient:
@@ -32,7 +38,10 @@ class PolicyClient:
         import httpx
 
         self.spec = spec
-        self._http = httpx.AsyncClient(timeout=spec.timeout_s, limits=httpx.Limits(max_connections=256))
+        headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+        self._http = httpx.AsyncClient(
+            timeout=spec.timeout_s, limits=httpx.Limits(max_connections=256), headers=headers
+        )
 
     async def act(self, messages: list[dict[str, str]], seed: int | None = None) -> tuple[str, int]:
         """The model's reply to ``messages`` (raw text; the caller cleans it) and its completion tokens."""
@@ -42,6 +51,8 @@ class PolicyClient:
             "temperature": self.spec.temperature,
             "max_tokens": self.spec.max_tokens,
         }
+        if self.spec.chat_template_kwargs:
+            body["chat_template_kwargs"] = self.spec.chat_template_kwargs
         if seed is not None:
             body["seed"] = seed
         resp = await self._http.post(f"{self.spec.base_url}/v1/chat/completions", json=body)

@@ -33,7 +33,12 @@ class EnvPool:
 
         self.domain = domain
         self.cfg = rollout_cfg
-        actor_cls = ray.remote(EnvWorker).options(num_cpus=rollout_cfg.cpus_per_worker, max_restarts=1)
+        actor_cls = ray.remote(EnvWorker).options(
+            num_cpus=rollout_cfg.cpus_per_worker,
+            resources=dict(rollout_cfg.resources),
+            scheduling_strategy=rollout_cfg.scheduling,
+            max_restarts=1,
+        )
         self.workers = [
             actor_cls.remote(domain, env_cfg, prompt_cfg, rollout_cfg.envs_per_worker)
             for _ in range(rollout_cfg.num_workers)
@@ -56,7 +61,10 @@ class EnvPool:
     def run(
         self, tasks: list[TaskSpec], policy: PolicySpec | None = None, desc: str = "episodes"
     ) -> list[Trajectory]:
-        """Run one episode per task and return the trajectories in task order, logging progress.
+        """Run one episode per task and return the trajectories in task order, showing progress.
+
+        On a terminal a bar shows episodes done, rate, ETA and the running mean score; elsewhere one
+        line per finished chunk is logged. Either way a closing line gives the count, time and mean.
 
         A chunk whose actor died is played again from the start on another actor (a restarted one
         included), up to ``rollout.max_actor_restarts`` times; then its episodes are recorded as
@@ -64,7 +72,11 @@ class EnvPool:
         """
         import ray
 
+        from hamo_ray.logs import progress_bar
+
         start = time.time()
+        bar = progress_bar(len(tasks), desc, unit="ep")
+        score_sum = 0.0
         refs, index_lists = self.submit(tasks, policy)
         where = {ref: (idx, n, 0) for n, (ref, idx) in enumerate(zip(refs, index_lists, strict=True))}
         results: list[Trajectory | None] = [None] * len(tasks)
@@ -93,7 +105,21 @@ class EnvPool:
                 for i, traj in zip(idx, trajs, strict=True):
                     results[i] = traj
                     done_n += 1
-            logger.info("%s: %d/%d done (%.0fs)", desc, done_n, len(tasks), time.time() - start)
+                    score_sum += traj.score
+                bar.update(len(idx))
+                bar.set_postfix(score=f"{score_sum / max(1, done_n):.1f}", refresh=False)
+            if bar.disable:
+                logger.info("%s: %d/%d done (%.0fs)", desc, done_n, len(tasks), time.time() - start)
+        bar.close()
+        failed = sum(1 for r in results if r is not None and r.error)
+        logger.info(
+            "%s: %d episodes in %.0fs, mean score %.2f%s",
+            desc,
+            done_n,
+            time.time() - start,
+            score_sum / max(1, done_n),
+            f", {failed} failed" if failed else "",
+        )
         missing = [tasks[i].id for i, r in enumerate(results) if r is None]
         if missing:
             raise RuntimeError(f"{desc}: no trajectory for {missing}")

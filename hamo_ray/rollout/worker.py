@@ -4,6 +4,13 @@ Environment steps block (ScienceWorld talks to its JVM over py4j), so each runs 
 while the actor's asyncio loop keeps the other episodes and their policy requests moving. An
 environment that raises is closed and replaced, and its episode retried from the start up to
 ``max_attempts``; after that the episode is recorded as failed with the error, never dropped.
+
+Prompts are built here, with ``hamo_ray.prompting.build_messages`` (the function training examples
+use) and the run's prompt config: the cards are retrieved from the harness once per episode and
+the same cards go into every turn, as in the training examples of that trajectory. The policy
+endpoint only renders the messages with the chat template (``chat_template_kwargs`` sent along),
+so any OpenAI-compatible server (vLLM's own included) can serve rollouts. Replies are parsed in
+``prompt.reply_format`` (``prompting.parse_reply``); react thoughts are kept in the trajectory.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 from hamo_ray.config import EnvConfig, PromptConfig
-from hamo_ray.prompting import build_messages, clean_action
+from hamo_ray.prompting import build_messages, parse_reply
 from hamo_ray.rollout.policy import PolicyClient, PolicySpec
 from hamo_ray.types import TaskSpec, Trajectory
 
@@ -98,11 +105,15 @@ class EnvWorker:
         goal, init_obs = await self._call(env.reset, task)
         actions: list[str] = []
         observations: list[str] = []
+        thoughts: list[str] = []  # react format: the thought before each action
+        pcfg, react = self.prompt_cfg, self.prompt_cfg.reply_format == "react"
         score, done, tokens = 0.0, False, 0
         if client is None:
             plan = await self._call(env.expert_actions)
             turns, cards, extra = min(len(plan), self.env_cfg.max_turns * 4), [], {"source": "expert"}
         else:
+            # Retrieved once per episode: every turn carries the same cards, as every training
+            # example of a trajectory does (and cards_used records them).
             cards = await client.retrieve(goal, init_obs)
             turns = self.env_cfg.max_turns
             extra = {"source": "policy", "model": client.spec.model, "cards_used": [c.id for c in cards]}
@@ -110,10 +121,14 @@ class EnvWorker:
             if client is None:
                 action = plan[turn]
             else:
-                messages = build_messages(goal, init_obs, cards, actions, observations, self.prompt_cfg)
+                messages = build_messages(
+                    goal, init_obs, cards, actions, observations, pcfg, domain=task.domain, thoughts=thoughts
+                )
                 reply, used = await client.act(messages, seed=_turn_seed(client.spec.seed, task, turn))
                 tokens += used
-                action = clean_action(reply)
+                thought, action = parse_reply(reply, pcfg.reply_format)
+                if react:
+                    thoughts.append(thought)
             step = await self._call(env.step, action)
             actions.append(action)
             observations.append(step.observation)
@@ -126,6 +141,7 @@ class EnvWorker:
             init_obs=init_obs,
             actions=actions,
             observations=observations,
+            thoughts=thoughts,
             score=score,
             done=done,
             policy_tokens=tokens,

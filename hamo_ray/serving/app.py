@@ -3,11 +3,17 @@
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
 (both with ``stream=true`` SSE), ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}``,
 ``GET /metrics`` (the engine's Prometheus metrics, e.g. ``vllm:num_requests_running``). Every route
-is guarded (``hamo_ray.serving.guard``: optional bearer key, body size limit); ``max_tokens`` above
-``serve.max_tokens_limit`` is refused. A chat request may carry ``"hamo": {"goal", "init_obs", "k",
-...}`` (``protocol.HamoInjection``): the replica asks the harness deployment for the cards and
-builds the prompt in the training format (``hamo_ray.prompting.build_messages``); the answer then
-has a ``hamo`` field with the cards, their scores and the messages built.
+is guarded (``hamo_ray.serving.guard``: optional bearer key, body size limit); ``/health`` and
+``/metrics`` stay open for probes and scrapers unless ``serve.auth_probes``. ``max_tokens`` above
+``serve.max_tokens_limit`` is refused.
+
+A drop-in for vLLM's OpenAI server: the sampling fields vLLM honours go to ``vllm.SamplingParams``
+(``protocol`` lists them), fields it cannot serve get 400 naming them, ``n`` > 1 returns ``n``
+choices. Chat messages are rendered with the tokenizer's chat template and the template variables
+``model.enable_thinking`` / ``model.chat_template_kwargs`` of the run, overridden per request by
+``chat_template_kwargs`` (vLLM's field) - the call and variables training uses
+(``hamo_ray.prompting.encode_chat``), so a trained prompt and a served one are the same tokens.
+The server builds no prompts itself: rollout workers build them (``hamo_ray.rollout.worker``).
 Adapter loading is also a deployment method (``handle.load_adapter.remote(name, path)``). Deploy it
 with ``hamo_ray.serving.start_policy_server``, or by hand::
 
@@ -49,7 +55,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hamo_ray.config import ModelConfig, PromptConfig, ServeConfig
+from hamo_ray.config import ModelConfig, ServeConfig
 from hamo_ray.serving import protocol as oa
 from hamo_ray.serving.adapters import AdapterError, AdapterRegistry
 from hamo_ray.serving.engine import DEFAULT_MAX_LORA_RANK, build_engine
@@ -58,7 +64,6 @@ from hamo_ray.serving.objstore import is_uri
 
 logger = logging.getLogger(__name__)
 
-_HARNESS_TIMEOUT_S = 60.0  # a retrieval slower than this (harness down, overloaded) answers 503
 api = FastAPI(title="HaMo policy server")
 api.add_middleware(GuardMiddleware)
 
@@ -79,10 +84,17 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 @api.exception_handler(RequestValidationError)
 async def _invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """400 naming the field: unknown fields, refused fields (``protocol.UNSUPPORTED``), bad values."""
     errors = exc.errors()
     param = ".".join(str(p) for p in errors[0]["loc"][1:]) if errors else None
-    message = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)
-    return JSONResponse(oa.APIError(400, f"invalid request: {message}", param=param).body(), status_code=400)
+    parts = []
+    for e in errors:
+        name = ".".join(str(p) for p in e["loc"][1:]) or "body"
+        if e["type"] == "extra_forbidden":
+            parts.append(f"unsupported field `{name}`: this server does not serve it")
+        else:
+            parts.append(f"{name}: {str(e['msg']).removeprefix('Value error, ')}")
+    return JSONResponse(oa.APIError(400, "; ".join(parts), param=param).body(), status_code=400)
 
 
 @api.exception_handler(Exception)
@@ -182,10 +194,6 @@ class PolicyServer:
         max_lora_rank: the largest adapter rank accepted.
         instance: an id ``GET /health`` reports, so a client knows it reached this deployment and
             not another server on the same port.
-        harness_app: the Serve application of the harness (``hamo_ray.serving.harness``) that
-            answers ``hamo`` injection requests; None: such requests get 400.
-        prompt_cfg: the run's context rule for injected prompts.
-        top_k: cards injected when a request does not say.
     """
 
     def __init__(
@@ -196,19 +204,13 @@ class PolicyServer:
         adapter_root: str,
         max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
         instance: str = "",
-        harness_app: str | None = None,
-        prompt_cfg: PromptConfig | None = None,
-        top_k: int = 2,
     ):
         from transformers import AutoTokenizer
 
-        configure_guard(serve_cfg.api_key, serve_cfg.max_request_bytes)
+        configure_guard(serve_cfg.api_key, serve_cfg.max_request_bytes, open_probes=not serve_cfg.auth_probes)
         self._instance = instance
         self._max_tokens_limit = serve_cfg.max_tokens_limit
-        self._harness_app = harness_app
-        self._harness = None
-        self._prompt_cfg = prompt_cfg or PromptConfig()
-        self._top_k = top_k
+        self._template_kwargs = model_cfg.template_kwargs()  # the run's defaults; requests override
         self._model_path = str(model_path)
         self._base = model_cfg.name
         self._max_model_len = model_cfg.max_model_len
@@ -333,50 +335,36 @@ class PolicyServer:
         text = generate_latest(REGISTRY).decode() + self._running.text(self._base)
         return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
 
-    async def _inject(self, hamo: oa.HamoInjection) -> tuple[list[dict[str, str]], dict[str, Any]]:
-        """The training-format messages for a ``hamo`` request, and what was injected."""
-        from hamo_ray.prompting import build_messages
-        from hamo_ray.types import Card
+    def _render(self, body: oa.ChatCompletionRequest) -> tuple[list[int], str | None]:
+        """Token ids (and, when asked, the text) of a chat request under the chat template.
 
-        k = self._top_k if hamo.k is None else hamo.k
-        found: dict[str, Any] = {"cards": [], "scores": []}
-        if k > 0:
-            if self._harness_app is None:
-                raise oa.APIError(400, "this server has no harness: `hamo` needs k=0", param="hamo")
-            if self._harness is None:
-                self._harness = serve.get_deployment_handle("HarnessServer", app_name=self._harness_app)
-            try:
-                found = await asyncio.wait_for(
-                    self._harness.retrieve_cards.remote(hamo.goal, hamo.init_obs, k, hamo.max_stage),
-                    timeout=_HARNESS_TIMEOUT_S,
-                )
-            except Exception as exc:
-                logger.exception("retrieval failed")
-                raise oa.APIError(503, f"the harness could not retrieve: {exc}", param="hamo") from exc
-        cards = [Card.model_validate(c) for c in found["cards"]]
-        messages = build_messages(
-            hamo.goal, hamo.init_obs, cards, hamo.actions, hamo.observations, self._prompt_cfg
+        The template variables are the run's (``model.template_kwargs()``) with the request's
+        ``chat_template_kwargs`` on top; the call is the one training makes
+        (``hamo_ray.prompting.encode_chat``), so the ids are the ones a training example holds.
+        """
+        messages = [m.to_template() for m in body.messages]
+        kwargs = {**self._template_kwargs, **(body.chat_template_kwargs or {})}
+        call = dict(
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            **kwargs,
         )
-        return messages, {**found, "messages": messages}
+        try:
+            ids = self._tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **call)
+            text = (
+                self._tokenizer.apply_chat_template(messages, tokenize=False, **call)
+                if body.return_prompt_text
+                else None
+            )
+        except Exception as exc:
+            raise oa.APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+        return list(ids), text
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: oa.ChatCompletionRequest):
         lora = self._lookup(body.model)
-        messages, injected = [m.to_template() for m in body.messages], None
-        if body.hamo is not None:
-            messages, injected = await self._inject(body.hamo)
-        try:
-            ids = self._tokenizer.apply_chat_template(
-                messages,
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
-        except Exception as exc:
-            raise oa.APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
-        return await self._respond(
-            body, list(ids), lora, chat=True, extra={"hamo": injected} if injected else None
-        )
+        ids, text = self._render(body)
+        return await self._respond(body, ids, lora, chat=True, prompt_text=text)
 
     @api.post("/v1/completions")
     async def completions(self, body: oa.CompletionRequest):
@@ -385,6 +373,7 @@ class PolicyServer:
         return await self._respond(body, list(ids), lora, chat=False)
 
     def _sampling_params(self, body: oa.ChatCompletionRequest | oa.CompletionRequest, prompt_len: int):
+        """``vllm.SamplingParams`` of a request: every sampling field of ``protocol._SamplingRequest``."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -403,28 +392,53 @@ class PolicyServer:
                 param="max_tokens",
             )
         limit = limit or self._max_tokens_limit
-        try:  # vLLM validates the values (stop strings, logprobs count, ...)
+        if body.min_tokens > min(limit, room):
+            raise oa.APIError(
+                400, f"min_tokens {body.min_tokens} exceeds max_tokens {limit}", param="min_tokens"
+            )
+        bias = {int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None
+        try:  # vLLM validates the values too (stop strings, token ids, logprobs count, ...)
             return SamplingParams(
-                n=1,
+                n=body.n,
                 temperature=body.temperature,
                 top_p=body.top_p,
+                top_k=body.top_k if body.top_k not in (None, -1) else 0,
+                min_p=body.min_p,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
                 # A longer request is cut to the context window (finish_reason "length"), not refused.
                 max_tokens=min(limit, room),
+                min_tokens=body.min_tokens,
                 seed=body.seed,
                 stop=[body.stop] if isinstance(body.stop, str) else (body.stop or None),
+                stop_token_ids=body.stop_token_ids or None,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                ignore_eos=body.ignore_eos,
+                skip_special_tokens=body.skip_special_tokens,
+                spaces_between_special_tokens=body.spaces_between_special_tokens,
+                logit_bias=bias,
+                allowed_token_ids=body.allowed_token_ids or None,
+                bad_words=body.bad_words or None,
                 logprobs=body.num_logprobs(),
                 output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
             )
         except Exception as exc:
             raise _engine_error(exc) from exc
 
-    async def _respond(self, body, ids: list[int], lora, chat: bool, extra: dict[str, Any] | None = None):
+    def _logprobs(self, body, chat: bool, output, offset: int = 0):
+        k, as_ids = body.num_logprobs(), body.return_tokens_as_token_ids
+        if chat:
+            return oa.chat_logprobs(output, k, as_ids)
+        return oa.completion_logprobs(output, k, as_ids, offset)
+
+    async def _respond(self, body, ids: list[int], lora, chat: bool, prompt_text: str | None = None):
         params = self._sampling_params(body, len(ids))
         rid = oa.new_id("chatcmpl" if chat else "cmpl")
         gen = self._engine.generate({"prompt_token_ids": ids}, params, rid, lora_request=lora)
         if body.stream:
             return StreamingResponse(
-                self._stream(gen, body, rid, len(ids), chat, extra), media_type="text/event-stream"
+                self._stream(gen, body, rid, ids, chat, prompt_text), media_type="text/event-stream"
             )
         final = None
         self._running.enter()
@@ -435,44 +449,47 @@ class PolicyServer:
             raise _engine_error(exc) from exc
         finally:
             self._running.exit()
-        output = final.outputs[0]
-        k, as_ids = body.num_logprobs(), body.return_tokens_as_token_ids
+        outputs = sorted(final.outputs, key=lambda o: o.index)
+        logprobs = [self._logprobs(body, chat, o) for o in outputs]
         if chat:
-            response = oa.chat_response(
-                rid, body.model, oa.now(), output, len(ids), oa.chat_logprobs(output, k, as_ids)
+            return oa.chat_response(
+                rid, body.model, oa.now(), outputs, ids, logprobs, body.return_token_ids, prompt_text
             )
-            return {**response, **(extra or {})}
-        logprobs = oa.completion_logprobs(output, k, as_ids)
-        return oa.completion_response(rid, body.model, oa.now(), output, len(ids), logprobs)
+        return oa.completion_response(
+            rid, body.model, oa.now(), outputs, ids, logprobs, body.return_token_ids
+        )
 
     async def _stream(
-        self, gen, body, rid: str, prompt_len: int, chat: bool, extra: dict[str, Any] | None = None
+        self, gen, body, rid: str, prompt_ids: list[int], chat: bool, prompt_text: str | None = None
     ) -> AsyncIterator[str]:
         self._running.enter()
         try:
-            created, n_tokens, offset, first = oa.now(), 0, 0, True
-            k, as_ids = body.num_logprobs(), body.return_tokens_as_token_ids
+            created, n_tokens = oa.now(), 0
+            offsets: dict[int, int] = {}  # completions: text offset per choice
+            first: set[int] = set()  # choices that got their first chunk
             try:
                 async for out in gen:
-                    delta = out.outputs[0]
-                    n_tokens += len(delta.token_ids)
-                    if chat:
-                        logprobs = oa.chat_logprobs(delta, k, as_ids)
-                    else:
-                        logprobs = oa.completion_logprobs(delta, k, as_ids, offset)
-                        offset += len(delta.text)
-                    piece = oa.chunk(
-                        chat, rid, body.model, created, delta.text, delta.finish_reason, logprobs, first
-                    )
-                    if first and extra:
-                        piece.update(extra)
-                    first = False
-                    yield f"data: {json.dumps(piece)}\n\n"
+                    for delta in out.outputs:
+                        n_tokens += len(delta.token_ids)
+                        logprobs = self._logprobs(body, chat, delta, offsets.get(delta.index, 0))
+                        offsets[delta.index] = offsets.get(delta.index, 0) + len(delta.text)
+                        is_first = delta.index not in first
+                        first.add(delta.index)
+                        piece = oa.chunk(
+                            chat, rid, body.model, created, delta, logprobs, is_first, body.return_token_ids
+                        )
+                        if len(first) == 1 and is_first:  # the stream's first chunk carries the prompt
+                            if body.return_token_ids:
+                                piece["prompt_token_ids"] = list(prompt_ids)
+                            if prompt_text is not None:
+                                piece["prompt_text"] = prompt_text
+                        yield f"data: {json.dumps(piece)}\n\n"
             except Exception as exc:
                 yield f"data: {json.dumps(_engine_error(exc).body())}\n\n"
             else:
                 if body.include_usage_in_stream():
-                    yield f"data: {json.dumps(oa.usage_chunk(chat, rid, body.model, created, prompt_len, n_tokens))}\n\n"
+                    last = oa.usage_chunk(chat, rid, body.model, created, len(prompt_ids), n_tokens)
+                    yield f"data: {json.dumps(last)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             self._running.exit()
@@ -485,15 +502,8 @@ def build_app(
     adapter_root: str | Path,
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
     instance: str = "",
-    *,
-    harness_app: str | None = None,
-    prompt_cfg: PromptConfig | None = None,
-    top_k: int = 2,
 ):
     """The Serve application of the policy endpoint, sized by ``serve_cfg``; pass it to ``serve.run``.
-
-    ``harness_app`` names a running harness application (``hamo_ray.serving.harness``) that
-    answers the ``hamo`` field of chat requests, built with ``prompt_cfg`` and ``top_k`` cards.
 
     GPUs per replica: ``serve_cfg.num_gpus`` when set, else ``tensor_parallel_size`` when the Ray
     cluster has GPUs, else none (CPU). The replica builds the engine for what it was granted.
@@ -519,7 +529,4 @@ def build_app(
         str(adapter_root) if is_uri(adapter_root) else str(Path(adapter_root).expanduser()),
         max_lora_rank,
         instance,
-        harness_app,
-        prompt_cfg,
-        top_k,
     )

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from hamo_ray.config import ModelConfig, PromptConfig, ServeConfig
+from hamo_ray.config import ModelConfig, ServeConfig
 from hamo_ray.serving.engine import DEFAULT_MAX_LORA_RANK
 from hamo_ray.serving.objstore import is_uri
 
@@ -89,9 +89,6 @@ def start_policy_server(
     *,
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
     timeout_s: float = 600.0,
-    harness_app: str | None = None,
-    prompt_cfg: PromptConfig | None = None,
-    top_k: int = 2,
 ) -> str:
     """Deploy the policy endpoint on the connected Ray cluster and wait until it answers.
 
@@ -106,9 +103,6 @@ def start_policy_server(
             object-store URI (``s3://bucket/prefix``...; publish paths are then relative to it).
         max_lora_rank: the largest adapter rank the engine accepts.
         timeout_s: how long to wait for the endpoint to become healthy.
-        harness_app: a running harness application for ``hamo`` injection requests (see ``app``).
-        prompt_cfg: the context rule of injected prompts.
-        top_k: cards injected when a request does not say.
 
     Returns:
         The base URL, e.g. ``http://127.0.0.1:8000``; OpenAI clients use ``base_url + "/v1"``.
@@ -125,17 +119,7 @@ def start_policy_server(
         Path(adapter_root).expanduser().mkdir(parents=True, exist_ok=True)
     serve.start(http_options={"host": serve_cfg.host, "port": serve_cfg.port})
     instance = uuid.uuid4().hex
-    app = build_app(
-        model_path,
-        model_cfg,
-        serve_cfg,
-        adapter_root,
-        max_lora_rank,
-        instance,
-        harness_app=harness_app,
-        prompt_cfg=prompt_cfg,
-        top_k=top_k,
-    )
+    app = build_app(model_path, model_cfg, serve_cfg, adapter_root, max_lora_rank, instance)
     serve.run(app, name=serve_cfg.app_name, route_prefix=serve_cfg.route_prefix, blocking=False)
     url = base_url(_running_http(serve_cfg))
     wait_healthy(url, max(1.0, timeout_s - (time.monotonic() - t0)), instance, api_key=serve_cfg.api_key)

@@ -75,7 +75,8 @@ def engine_kwargs(
     Args:
         model_path: a local HF model folder (or hub id) holding weights and tokenizer.
         model: dtype, context length and the served name.
-        serve: LoRA slots, batch size, prefix caching, parallelism, GPU memory share.
+        serve: LoRA slots, batch size, prefix caching, parallelism, GPU memory share, and
+            ``serve.engine_kwargs``, merged last (they override the derived values).
         max_lora_rank: the largest adapter rank the engine accepts (LoRA buffers are sized by it).
         device: ``"cpu"`` or ``"cuda"``; None detects it.
 
@@ -105,7 +106,20 @@ def engine_kwargs(
         # rollouts send seeds, so on CPU every prompt is prefilled whole.
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = max(2048, model.max_model_len)
+    kwargs.update(serve.engine_kwargs)  # the config's own engine arguments win
     return kwargs
+
+
+def check_engine_kwargs(kwargs: dict[str, Any]) -> None:
+    """Raise ValueError naming ``serve.engine_kwargs`` entries that ``vllm.AsyncEngineArgs`` lacks."""
+    import dataclasses
+
+    from vllm import AsyncEngineArgs
+
+    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"serve.engine_kwargs: {unknown} are not arguments of vllm.AsyncEngineArgs")
 
 
 def build_engine(
@@ -136,5 +150,6 @@ def build_engine(
     from vllm.v1.engine.async_llm import AsyncLLM
 
     kwargs = engine_kwargs(model_path, model, serve, max_lora_rank=max_lora_rank, device=device)
+    check_engine_kwargs(serve.engine_kwargs)
     logger.info("starting vLLM AsyncLLM on %s: %s", device, kwargs)
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))

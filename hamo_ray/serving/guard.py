@@ -5,8 +5,10 @@ An ASGI middleware (``GuardMiddleware``) added to each FastAPI ingress of the en
 replica calls ``configure_guard`` in its ``__init__`` (one replica per actor process), because Serve
 hands each replica its own copy of the FastAPI app, so state cannot be set on the app object.
 
-- ``Authorization: Bearer <key>`` is required on every route when an API key is configured;
-  a missing or wrong key gets 401 (constant-time comparison).
+- ``Authorization: Bearer <key>`` is required when an API key is configured; a missing or wrong
+  key gets 401 (constant-time comparison). The probe routes ``/health`` and ``/metrics`` stay open
+  (as vLLM's server leaves them, for load balancers and Prometheus) unless ``open_probes`` is off
+  (``serve.auth_probes``).
 - A body above ``max_body_bytes`` gets 413, from its ``Content-Length`` before anything is read,
   or while it streams in (chunked uploads).
 
@@ -29,15 +31,34 @@ Scope = dict[str, Any]
 class GuardSettings:
     api_key: str | None = None
     max_body_bytes: int = 1_000_000
+    open_probes: bool = True  # /health and /metrics answer without the key
+
+
+PROBE_PATHS = frozenset({"/health", "/metrics"})
 
 
 _settings = GuardSettings()
 
 
-def configure_guard(api_key: str | None, max_body_bytes: int) -> None:
-    """Set this process's guard (called by a replica before it serves requests)."""
+def configure_guard(api_key: str | None, max_body_bytes: int, open_probes: bool = True) -> None:
+    """Set this process's guard (called by a replica before it serves requests).
+
+    Args:
+        api_key: the bearer key every route wants; None or "": no key.
+        max_body_bytes: larger request bodies get 413.
+        open_probes: ``/health`` and ``/metrics`` (under the app's route prefix) need no key.
+    """
     _settings.api_key = api_key or None
     _settings.max_body_bytes = int(max_body_bytes)
+    _settings.open_probes = bool(open_probes)
+
+
+def is_probe(scope: Scope) -> bool:
+    """Whether the request is for ``/health`` or ``/metrics`` of this app (its route prefix removed)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    return path in PROBE_PATHS
 
 
 def error_body(status: int, message: str, kind: str, code: str) -> bytes:
@@ -86,7 +107,7 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if not authorized(headers):
+        if not (_settings.open_probes and is_probe(scope)) and not authorized(headers):
             body = error_body(401, "invalid or missing API key", "authentication_error", "invalid_api_key")
             await _send_json(send, 401, body, [(b"www-authenticate", b"Bearer")])
             return

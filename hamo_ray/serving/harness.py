@@ -8,8 +8,8 @@ the table's latest version, so cards written by the stream are visible at once.
       -> {"cards": [Card, ...], "scores": [float, ...]}
     GET  {route}/health
 
-The same retrieval is a deployment method for other deployments (the policy server's ``hamo``
-injection): ``handle.retrieve_cards.remote(goal, init_obs, k, max_stage)``. Routes are guarded
+Clients build the prompt from the cards themselves (``hamo_ray.prompting.build_messages``, the
+function training uses), so the policy server stays a plain OpenAI-compatible one. Routes are guarded
 like the policy endpoint's (``hamo_ray.serving.guard``); ``max_stage`` set at build time caps every
 query (a run served at ``--stage t`` retrieves only cards of stages <= t).
 """

@@ -1,9 +1,16 @@
 """The OpenAI wire format of the policy endpoint: request bodies, errors, responses and stream chunks.
 
-Only the fields HaMo's clients use are modelled; unknown fields are ignored, as OpenAI-compatible
-servers do. Responses are built from vLLM's ``CompletionOutput`` objects (duck-typed, so this module
-does not import vLLM). One vLLM extension is accepted: ``return_tokens_as_token_ids`` makes each
-logprob token read ``"token_id:<id>"``, which lets a client compare outputs token id by token id.
+The requests model the sampling fields vLLM's OpenAI server honours (temperature, top_p, top_k,
+min_p, presence/frequency/repetition penalties, stop and stop_token_ids, seed, n, logprobs,
+min_tokens, ignore_eos, logit_bias, allowed_token_ids, bad_words, ...), each passed to
+``vllm.SamplingParams`` by ``hamo_ray.serving.app``. Nothing is dropped silently: an unknown field
+is refused with 400 naming it, and so is a known field the server cannot serve (``UNSUPPORTED``:
+``response_format``, ``tools``, beam search, ...) unless it holds its neutral value. vLLM's
+extensions are accepted under vLLM's names: ``chat_template_kwargs`` (template variables such as
+Qwen3's ``enable_thinking``), ``return_tokens_as_token_ids`` (each logprob token reads
+``"token_id:<id>"``), ``return_token_ids`` (``prompt_token_ids`` and each choice's ``token_ids``),
+``return_prompt_text``. Responses are built from vLLM's ``CompletionOutput`` objects (duck-typed,
+so this module does not import vLLM).
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -46,77 +53,204 @@ class APIError(Exception):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None  # OpenAI's participant name; chat templates that read it get it
+    reasoning_content: str | None = None  # an earlier turn's reasoning (Qwen3's template reads it)
+    tool_calls: list[Any] | None = None  # only empty: tool calling is not served
+    refusal: str | None = None  # OpenAI clients echo it back on assistant turns; not rendered
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("`tool_calls` is not supported by this server: tool calling is not served")
+        return value
 
     def to_template(self) -> dict[str, str]:
         """The ``{"role", "content"}`` dict the chat template reads; text parts are concatenated."""
         if isinstance(self.content, list):
-            text = "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
+            kinds = {p.get("type") for p in self.content} - {"text"}
+            if kinds:
+                raise APIError(
+                    400,
+                    f"only text content parts are served, not {sorted(map(str, kinds))}",
+                    param="messages",
+                )
+            text = "".join(str(p.get("text", "")) for p in self.content)
         else:
             text = self.content or ""
-        return {"role": self.role, "content": text}
+        out = {"role": self.role, "content": text}
+        for key in ("name", "reasoning_content"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+# Fields of OpenAI's and vLLM's APIs this server cannot serve: a request setting one to anything
+# but its neutral value gets 400 naming it (never a silent drop). field -> (neutral values, why).
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "response_format": ((None, {"type": "text"}), "structured output (JSON mode/schema) is not served"),
+    "tools": ((None, []), "tool calling is not served"),
+    "tool_choice": ((None, "none"), "tool calling is not served"),
+    "functions": ((None, []), "function calling is not served"),
+    "function_call": ((None, "none"), "function calling is not served"),
+    "parallel_tool_calls": ((None, True, False), ""),  # meaningless without tools: any value is neutral
+    "structured_outputs": ((None,), "structured output is not served"),
+    "guided_json": ((None,), "structured output is not served"),
+    "guided_regex": ((None,), "structured output is not served"),
+    "guided_choice": ((None,), "structured output is not served"),
+    "guided_grammar": ((None,), "structured output is not served"),
+    "use_beam_search": ((None, False), "beam search is not served"),
+    "best_of": ((None, 1), "best_of > 1 is not served (vLLM v1 dropped it); use n"),
+    "echo": ((None, False), "echo is not served"),
+    "suffix": ((None, ""), "suffix (insertion) is not served"),
+    "prompt_logprobs": ((None,), "prompt logprobs are not served"),
+    "audio": ((None,), "audio output is not served"),
+    "modalities": ((None, ["text"]), "only text output is served"),
+    "prediction": ((None,), "predicted outputs are not served"),
+    "reasoning_effort": ((None,), "this server has no reasoning parser; use chat_template_kwargs"),
+    "chat_template": ((None,), "a request's own chat template would break the training format"),
+    "documents": ((None, []), "documents are not served"),
+    "truncate_prompt_tokens": (
+        (None,),
+        "prompt truncation is not served (a cut prompt is not the trained one)",
+    ),
+}
+
+# Arguments of ``apply_chat_template`` itself: not template variables, so never taken from a request.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
 
 
 class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """The sampling fields vLLM's OpenAI server honours, each passed to ``vllm.SamplingParams``.
+
+    Unknown fields are refused (``extra="forbid"``: 400 naming the field), as are the fields of
+    ``UNSUPPORTED`` set to anything but a neutral value.
+    """
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="-1, 0 or None: no top-k cut")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int = Field(0, ge=0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    n: int = Field(1, ge=1, le=16)
+    user: str | None = None  # the end user's id (OpenAI); generation does not depend on it
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens read "token_id:<id>"
+    return_token_ids: bool = False  # vLLM: prompt_token_ids on the response, token_ids on each choice
+
+    # The refused fields: declared so that a neutral value (e.g. response_format {"type": "text"}) passes.
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    use_beam_search: Any = None
+    best_of: Any = None
+    echo: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+
+    @field_validator(
+        "response_format", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+        "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "use_beam_search", "best_of", "echo", "prompt_logprobs", "truncate_prompt_tokens",
+    )  # fmt: skip
+    @classmethod
+    def _refuse(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_unsupported(info.field_name, value)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must lie in [-100, 100], got {bias}")
+        return value
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
 
-class HamoInjection(BaseModel):
-    """The ``hamo`` field of a chat request: build the prompt in the training format, with retrieval.
-
-    The server retrieves the top-``k`` cards for (``goal``, ``init_obs``) from the run's memory and
-    builds the conversation with ``hamo_ray.prompting.build_messages`` (first user turn = instruction,
-    task, initial observation, injected experience; then the (action, observation) turns so far,
-    under the run's context rule), exactly as training and the stream's evaluations do. The
-    request's ``messages`` must then be empty.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    goal: str = Field(min_length=1, max_length=20_000)
-    init_obs: str = Field(default="", max_length=100_000)
-    k: int | None = Field(default=None, ge=0, le=50, description="cards to inject; None: the run's top_k")
-    max_stage: int | None = Field(default=None, description="only cards of stages <= max_stage")
-    actions: list[str] = Field(default_factory=list, max_length=10_000)
-    observations: list[str] = Field(default_factory=list, max_length=10_000)
-
-    @model_validator(mode="after")
-    def _same_length(self) -> HamoInjection:
-        if len(self.actions) != len(self.observations):
-            raise ValueError(f"{len(self.actions)} actions but {len(self.observations)} observations")
-        return self
+def refuse_unsupported(name: str, value: Any) -> Any:
+    """``value`` if it is neutral for the unsupported field ``name``; else a ValueError saying why."""
+    neutral, why = UNSUPPORTED[name]
+    if value in neutral:
+        return value
+    raise ValueError(f"`{name}` is not supported by this server: {why}")
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(default_factory=list)
-    hamo: HamoInjection | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Template variables (vLLM's name), e.g. {"enable_thinking": false}; on top of the server's
+    # defaults (the run's model.enable_thinking / model.chat_template_kwargs).
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_prompt_text: bool = False  # vLLM: the rendered prompt text on the response
+    # Refused chat-only fields (see UNSUPPORTED).
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    chat_template: Any = None
+    documents: Any = None
+
+    @field_validator("audio", "modalities", "prediction", "reasoning_effort", "chat_template", "documents")
+    @classmethod
+    def _refuse_chat(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_unsupported(info.field_name, value)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(set(value or {}) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"{reserved} are arguments of the template call, not template variables")
+        return value
 
     @model_validator(mode="after")
-    def _messages_or_hamo(self) -> ChatCompletionRequest:
-        if self.hamo is None and not self.messages:
-            raise ValueError("messages must hold at least one message (or pass a `hamo` field)")
-        if self.hamo is not None and self.messages:
-            raise ValueError("with a `hamo` field the server builds the messages: send messages=[]")
+    def _generation_prompt(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt: false")
         return self
 
     def token_limit(self) -> int | None:
@@ -129,6 +263,12 @@ class ChatCompletionRequest(_SamplingRequest):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str]
     logprobs: int | None = Field(None, ge=0, le=20)
+    suffix: Any = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _refuse_suffix(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_unsupported(info.field_name, value)
 
     def token_limit(self) -> int | None:
         return self.max_tokens
@@ -140,12 +280,14 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(self.prompt, str):
             return self.prompt
         if len(self.prompt) != 1:
-            raise APIError(400, "only one prompt per request is supported", param="prompt")
+            raise APIError(
+                400, "only one prompt per request is supported (use n for several samples)", param="prompt"
+            )
         return self.prompt[0]
 
 
 class LoadLoRARequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     lora_name: str
     lora_path: str
@@ -215,38 +357,74 @@ def completion_logprobs(output: Any, k: int | None, as_ids: bool, offset: int = 
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
+def _token_ids(output: Any, on: bool) -> dict[str, Any]:
+    return {"token_ids": list(output.token_ids)} if on else {}
+
+
 def chat_response(
-    rid: str, model: str, created: int, output: Any, prompt_tokens: int, logprobs: dict[str, Any] | None
+    rid: str,
+    model: str,
+    created: int,
+    outputs: list[Any],
+    prompt_ids: list[int],
+    logprobs: list[dict[str, Any] | None],
+    return_token_ids: bool = False,
+    prompt_text: str | None = None,
 ) -> dict[str, Any]:
-    return {
+    """A ``chat.completion`` with one choice per vLLM ``CompletionOutput`` (``n`` of them)."""
+    choices = [
+        {
+            "index": out.index,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": lp,
+            "finish_reason": out.finish_reason,
+            **_token_ids(out, return_token_ids),
+        }
+        for out, lp in zip(outputs, logprobs, strict=True)
+    ]
+    response = {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": output.text},
-                "logprobs": logprobs,
-                "finish_reason": output.finish_reason,
-            }
-        ],
-        "usage": usage(prompt_tokens, len(output.token_ids)),
+        "choices": choices,
+        "usage": usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)),
     }
+    if return_token_ids:
+        response["prompt_token_ids"] = list(prompt_ids)
+    if prompt_text is not None:
+        response["prompt_text"] = prompt_text
+    return response
 
 
 def completion_response(
-    rid: str, model: str, created: int, output: Any, prompt_tokens: int, logprobs: dict[str, Any] | None
+    rid: str,
+    model: str,
+    created: int,
+    outputs: list[Any],
+    prompt_ids: list[int],
+    logprobs: list[dict[str, Any] | None],
+    return_token_ids: bool = False,
 ) -> dict[str, Any]:
+    """A ``text_completion`` with one choice per vLLM ``CompletionOutput``."""
+    choices = [
+        {
+            "index": out.index,
+            "text": out.text,
+            "logprobs": lp,
+            "finish_reason": out.finish_reason,
+            **_token_ids(out, return_token_ids),
+            **({"prompt_token_ids": list(prompt_ids)} if return_token_ids else {}),
+        }
+        for out, lp in zip(outputs, logprobs, strict=True)
+    ]
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [
-            {"index": 0, "text": output.text, "logprobs": logprobs, "finish_reason": output.finish_reason}
-        ],
-        "usage": usage(prompt_tokens, len(output.token_ids)),
+        "choices": choices,
+        "usage": usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)),
     }
 
 
@@ -255,24 +433,31 @@ def chunk(
     rid: str,
     model: str,
     created: int,
-    text: str | None,
-    finish_reason: str | None,
+    output: Any,
     logprobs: dict[str, Any] | None = None,
     first: bool = False,
+    return_token_ids: bool = False,
 ) -> dict[str, Any]:
-    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``) with one choice."""
+    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``) for one choice's delta."""
+    text, finish_reason = output.text, output.finish_reason
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": output.index,
             "delta": delta,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {
+            "index": output.index,
+            "text": text or "",
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+    choice.update(_token_ids(output, return_token_ids))
     return {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",

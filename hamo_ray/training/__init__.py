@@ -1,1 +1,4 @@
-"""Training: the embedded backbone, experience-conditioned BC examples and the Ray Train LoRA trainer."""
+"""Training: the embedded backbone, BC examples, and one training loop for BC and DPO.
+
+Packed batches (``packing``), the loop's parts (``loop``), long-lived Ray workers (``group``).
+"""

@@ -5,9 +5,11 @@ builds its own backbone: expert trajectories of the *pre-training split* (``back
 ScienceWorld's dev variations: no stage and no test set uses them) are rolled out, a byte-level
 BPE tokenizer is trained on their prompts, and a tiny Qwen3-architecture LM is trained on them by
 behavioural cloning in the shared prompt format, a fraction of the examples carrying injected
-experience (so that the base model has seen the format HaMo uses). The result is a plain Hugging
-Face folder under ``backbone.cache_dir/<key>``; the key hashes every setting it depends on, so a
-second run reuses it and a changed setting rebuilds it.
+experience (so that the base model has seen the format HaMo uses). That experience comes from the
+memory pipeline itself (``hamo_ray.memory.pipeline``: the outline distiller, the embedding model,
+LanceDB retrieval that never returns a trajectory's own card), into a throw-away memory beside
+the build. The result is a plain Hugging Face folder under ``backbone.cache_dir/<key>``; the key
+hashes every setting it depends on, so a second run reuses it and a changed setting rebuilds it.
 """
 
 from __future__ import annotations
@@ -21,10 +23,8 @@ import shutil
 import time
 from pathlib import Path
 
-import numpy as np
-
 from hamo_ray.config import HamoConfig
-from hamo_ray.prompting import build_messages, first_user_message
+from hamo_ray.prompting import build_messages, first_user_message, format_fingerprint
 from hamo_ray.types import Card, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,9 @@ def backbone_key(cfg: HamoConfig) -> str:
         "domains": {d: sorted(cfg.task_types(d)) for d in cfg.domains()},
         "simplifications": cfg.env.simplifications,
         "prompt": cfg.prompt.model_dump(mode="json"),
+        # the rendered prompt text, not only the switches that select it
+        "prompt_format": format_fingerprint(cfg.prompt, cfg.domains()),
+        "template_kwargs": cfg.model.template_kwargs(),
         "top_k": cfg.memory.top_k,
         "embedding_model": cfg.memory.embedding_model,
         "max_seq_len": cfg.train.max_seq_len,
@@ -51,26 +54,34 @@ def backbone_path(cfg: HamoConfig) -> Path:
     return Path(cfg.backbone.cache_dir).expanduser() / f"{'-'.join(cfg.domains())}-{backbone_key(cfg)}"
 
 
-def _embed_keys(texts: list[str], model_name: str) -> np.ndarray:
-    from hamo_ray.memory.embed import Embedder
+def pretraining_experience(
+    trajs: list[Trajectory], cfg: HamoConfig, memory_dir: Path, fraction: float, seed: int
+) -> dict[str, list[Card]]:
+    """Injected cards for a ``fraction`` of the trajectories: the top-k *other* cards of their memory.
 
-    return Embedder(model_name).embed(texts)
+    The trajectories go through the stage pipeline (outline distiller: no LLM endpoint exists
+    before the backbone does) into a LanceDB memory at ``memory_dir``; each chosen trajectory gets
+    what training-time retrieval gives a stage's examples (``training_experience``).
 
+    Args:
+        trajs: the build's expert trajectories.
+        cfg: the run's config (``memory``: embedding model, ``top_k``).
+        memory_dir: a fresh folder for the build's memory.
+        fraction: the share of trajectories that carry experience.
+        seed: picks that share.
 
-def pretraining_experience(trajs: list[Trajectory], vectors: np.ndarray, k: int, fraction: float, seed: int):
-    """Injected cards for a ``fraction`` of the trajectories: the top-k *other* cards by cosine."""
-    from hamo_ray.memory.distill import card_from_trajectory, get_distiller
+    Returns:
+        Trajectory id -> injected cards, for the chosen trajectories only.
+    """
+    from hamo_ray.memory.pipeline import build_cards_dataset, training_experience, write_cards_report
+    from hamo_ray.memory.store import MemoryStore
 
-    outlines = get_distiller("outline").distill(trajs)
-    cards = [card_from_trajectory(t, -1, o) for t, o in zip(trajs, outlines, strict=True)]
-    sims = vectors @ vectors.T
-    np.fill_diagonal(sims, -np.inf)
+    mcfg = cfg.memory.model_copy(update={"distiller": "outline", "storage_options": {}})
+    store = MemoryStore.from_config(str(memory_dir), mcfg)
+    write_cards_report(build_cards_dataset(trajs, 0, mcfg, store=store), store)
     rng = random.Random(seed)
-    experience: dict[str, list[Card]] = {}
-    for i, traj in enumerate(trajs):
-        if rng.random() < fraction:
-            experience[traj.id] = [cards[j] for j in np.argsort(-sims[i])[:k]]
-    return experience
+    chosen = [t for t in trajs if rng.random() < fraction]
+    return training_experience(store, chosen, mcfg.top_k)
 
 
 def _corpus(trajs: list[Trajectory], experience: dict[str, list[Card]], cfg: HamoConfig) -> list[str]:
@@ -108,7 +119,6 @@ def ensure_backbone(cfg: HamoConfig, run_expert, storage_path: Path) -> Path:
 
 
 def _build(cfg: HamoConfig, run_expert, storage_path: Path, path: Path) -> Path:
-    import ray
     from transformers import AutoTokenizer
 
     from hamo_ray.envs import get_domain
@@ -127,19 +137,18 @@ def _build(cfg: HamoConfig, run_expert, storage_path: Path, path: Path) -> Path:
         trajs += [t for t in run_expert(name, tasks) if t.error is None and t.actions and t.score > 0]
     if not trajs:
         raise RuntimeError("backbone: no expert trajectory could be collected")
-    keys = [f"{t.goal}\n{t.init_obs}" for t in trajs]
-    vectors = ray.get(ray.remote(_embed_keys).options(num_cpus=1).remote(keys, cfg.memory.embedding_model))
-    experience = pretraining_experience(trajs, vectors, cfg.memory.top_k, bcfg.experience_fraction, seed=0)
-
     staging = path.with_name(path.name + ".building")
     shutil.rmtree(staging, ignore_errors=True)
+    experience = pretraining_experience(trajs, cfg, staging / "memory", bcfg.experience_fraction, seed=0)
     tokenizer = train_tokenizer(_corpus(trajs, experience, cfg), bcfg.vocab_size)
     model = init_qwen3(
         bcfg, tokenizer, max_position_embeddings=max(cfg.model.max_model_len, cfg.train.max_seq_len)
     )
     init_dir = save_backbone(model, tokenizer, staging / "init")
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
-    examples = build_examples(trajs, experience, tokenizer, cfg.prompt, cfg.train.max_seq_len)
+    examples = build_examples(
+        trajs, experience, tokenizer, cfg.prompt, cfg.train.max_seq_len, cfg.model.template_kwargs()
+    )
     n_tokens = sum(len(e.input_ids) for e in examples)
     logger.info(
         "backbone: %s params, %d examples, %d tokens/epoch, %d epochs",

@@ -1,11 +1,11 @@
-"""DeepSpeed ZeRO for the Ray Train loop: the config generated from ``TrainConfig``, engine set-up, saving.
+"""DeepSpeed ZeRO for the training loop (``loop.Stepper``): the generated config, engine set-up, saving.
 
 No hand-kept JSON: :func:`deepspeed_config` derives every field from ``TrainConfig`` (ZeRO stage,
 bf16, micro-batch, accumulation, clipping, offload), so the DeepSpeed config cannot drift from the
 run's config::
 
     cfg = deepspeed_config(tcfg, world_size=8)            # a dict, as deepspeed.initialize wants it
-    engine = initialize_engine(model, optimizer, cfg)     # inside a Ray Train worker
+    engine = initialize_engine(model, optimizer, cfg)     # inside a training worker (group.py)
     state = trainable_state_dict(engine)                  # ZeRO-3: gathers the sharded LoRA weights
 
 ``deepspeed`` is imported only by :func:`initialize_engine` and :func:`trainable_state_dict`. The

@@ -10,21 +10,25 @@ Exploration-Based Trajectory Optimization for LLM Agents")::
 where ``log pi(tau)`` sums the log-probabilities of the trajectory's action tokens (the same
 per-step examples and action-only mask as behavioural cloning) and ``ref`` is the behavioural-cloning
 adapter, frozen (its log-probabilities are computed once, before the first update).
+
+It runs on the same loop as behavioural cloning (``loop.py``: model loading, packed batches, the
+DDP/DeepSpeed step, bf16 on GPU) and the same long-lived workers (``group.py``); ``beta`` and the
+epochs come from ``TrainConfig.dpo_beta`` / ``dpo_epochs``::
+
+    result = train_dpo(base, bc_adapter, encode_pairs(pairs, tok, pcfg, 1024), out_dir, tcfg, pad_id=0)
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from hamo_ray.config import PromptConfig, TrainConfig
-from hamo_ray.training.deepspeed import use_bf16
 from hamo_ray.training.examples import trajectory_examples
-from hamo_ray.training.trainer import fit_to_folder
+from hamo_ray.training.trainer import TrainResult, make_batches, pack_budget, stage_job
 from hamo_ray.types import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -41,11 +45,18 @@ def build_pairs(expert: list[Trajectory], explored: list[Trajectory]) -> list[tu
     return pairs
 
 
-def encode_pairs(pairs, tokenizer, pcfg: PromptConfig, max_seq_len: int) -> list[dict[str, list[dict]]]:
+def encode_pairs(
+    pairs, tokenizer, pcfg: PromptConfig, max_seq_len: int, chat_template_kwargs: dict | None = None
+) -> list[dict[str, list[dict]]]:
+    """Tokenise (chosen, rejected) pairs as behavioural-cloning steps (same template variables as training).
+
+    Returns:
+        ``[{"chosen": [steps], "rejected": [steps]}]``; a pair with a side left empty is dropped.
+    """
     out = []
     for chosen, rejected in pairs:
-        c = trajectory_examples(chosen, [], tokenizer, pcfg, max_seq_len)
-        r = trajectory_examples(rejected, [], tokenizer, pcfg, max_seq_len)
+        c = trajectory_examples(chosen, [], tokenizer, pcfg, max_seq_len, chat_template_kwargs)
+        r = trajectory_examples(rejected, [], tokenizer, pcfg, max_seq_len, chat_template_kwargs)
         if c and r:
             out.append(
                 {
@@ -56,87 +67,102 @@ def encode_pairs(pairs, tokenizer, pcfg: PromptConfig, max_seq_len: int) -> list
     return out
 
 
-def _sequence_logprob(model, steps: list[dict], pad_id: int):
-    """Sum of the action-token log-probabilities over all steps of one trajectory."""
+def _pair_batch(pairs: list[dict], packed: bool, pad_id: int):
+    """One forward's worth of pairs: the collated steps, and per labelled token its trajectory (2k, 2k+1)."""
     import torch
 
-    from hamo_ray.training.trainer import _collate
+    from hamo_ray.training.packing import collate
 
-    ids, labels, mask = _collate(steps, pad_id)
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
-    target = labels[:, 1:]
-    keep = target != -100
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (logp * keep).sum()
+    steps, owner = [], []
+    for k, pair in enumerate(pairs):
+        for side, key in enumerate(("chosen", "rejected")):
+            steps += pair[key]
+            owner += [2 * k + side] * len(pair[key])
+    batch = collate(steps, packed=packed, pad_id=pad_id)
+    return batch, torch.tensor(owner, dtype=torch.long)[batch.segments]
 
 
-def dpo_loop_per_worker(config: dict[str, Any]) -> None:
-    import ray.train
+def trajectory_logprobs(
+    lm: Any, pairs: list[dict], packed: bool = True, pad_id: int = 0, device: Any = "cpu"
+):
+    """``[len(pairs), 2]``: summed action-token log-probs (chosen, rejected) under the ``ActionLM`` ``lm``."""
     import torch
-    from ray.train import Checkpoint
 
-    from hamo_ray.logs import setup_logging
-    from hamo_ray.training.trainer import _load_model
+    batch, owner = _pair_batch(pairs, packed, pad_id)
+    logp = lm(**batch.model_inputs(device))
+    sums = torch.zeros(2 * len(pairs), device=logp.device, dtype=logp.dtype)
+    return sums.index_add(0, owner.to(logp.device), logp).view(-1, 2)
 
-    setup_logging()
-    torch.manual_seed(config["seed"])
-    torch.set_num_threads(config["threads"])
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    model = _load_model(config)
-    pairs = config["pairs"][rank::world]
-    pad = config["pad_id"]
-    model.eval()
+
+def dpo_stage(worker: Any, job: dict[str, Any]) -> dict[str, Any] | None:
+    """Worker side of a DPO stage: load the BC adapter, reference log-probs, DPO epochs, the saved files."""
+    import ray
+    import torch
+
+    from hamo_ray.training.group import read_files
+    from hamo_ray.training.loop import StepConfig, Stepper, rank_share
+
+    t0 = time.perf_counter()
+    pairs = job["examples"]
+    if isinstance(pairs, ray.ObjectRef):
+        pairs = ray.get(pairs)
+    lm, _, _ = worker.model(job["spec"], reuse=job["reuse"])
+    lm.reset_adapter(job["init_adapter"], seed=job["seed"])
+    worker.dirty = not job["reuse"]
+    device, packed, pad = worker.device, job["spec"]["packed"], job["pad_id"]
+    lengths = [sum(len(s["input_ids"]) for s in p["chosen"] + p["rejected"]) for p in pairs]
+    ref = torch.zeros(len(pairs), 2, device=device)
+    lm.eval()
     with torch.no_grad():  # the frozen reference: the behavioural-cloning adapter before any update
-        ref = [
-            (
-                float(_sequence_logprob(model, p["chosen"], pad)),
-                float(_sequence_logprob(model, p["rejected"], pad)),
-            )
-            for p in pairs
-        ]
-    model = ray.train.torch.prepare_model(model)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config["lr"])
-    steps = max(1, math.ceil(len(config["pairs"]) / world))
+        for idx in make_batches(lengths, job, -1):
+            ref[idx] = trajectory_logprobs(lm, [pairs[i] for i in idx], packed, pad, device).float()
+    per_rank = len(rank_share(make_batches(lengths, job, 0), worker.rank, worker.world))
+    stepper = Stepper(lm, StepConfig(**job["step"]), per_rank * job["epochs"], device)
+    lm.train()
+    startup = time.perf_counter() - t0
+    beta = job["beta"]
     losses, accuracy = [], []
-    for epoch in range(config["epochs"]):
-        order = torch.randperm(
-            steps, generator=torch.Generator().manual_seed(config["seed"] + epoch)
-        ).tolist()
-        epoch_loss, wins = 0.0, 0
-        for i in order:
-            j = i % max(1, len(pairs))
-            if not pairs:
-                break
-            lc = _sequence_logprob(model, pairs[j]["chosen"], pad) - ref[j][0]
-            lr_ = _sequence_logprob(model, pairs[j]["rejected"], pad) - ref[j][1]
-            margin = config["beta"] * (lc - lr_)
-            loss = -torch.nn.functional.logsigmoid(margin)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            epoch_loss += float(loss.detach())
-            wins += int(float(margin.detach()) > 0)
-        losses.append(epoch_loss / steps)
-        accuracy.append(wins / steps)
-        if rank == 0:
-            logger.info(
-                "dpo epoch %d/%d loss %.4f reward accuracy %.2f",
-                epoch + 1,
-                config["epochs"],
-                losses[-1],
-                accuracy[-1],
-            )
-    metrics = {"loss": losses[-1] if losses else float("nan"), "losses": losses, "accuracy": accuracy}
-    if rank == 0:
-        with tempfile.TemporaryDirectory() as tmp:
-            getattr(model, "module", model).save_pretrained(tmp, safe_serialization=True)
-            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
-    else:
-        ray.train.report(metrics)
+    tokens = steps = 0
+    start = time.perf_counter()
+    for epoch in range(job["epochs"]):
+        mine = rank_share(make_batches(lengths, job, epoch), worker.rank, worker.world)
+        total, wins, seen = torch.zeros((), device=device), torch.zeros((), device=device), 0
+        for idx in mine:
+            batch, owner = _pair_batch([pairs[i] for i in idx], packed, pad)
+            logp = stepper.model(**batch.model_inputs(device))
+            sums = torch.zeros(2 * len(idx), device=device, dtype=logp.dtype)
+            sums = sums.index_add(0, owner.to(device, non_blocking=True), logp).view(-1, 2)
+            delta = sums - ref[torch.tensor(idx, device=device)]
+            margin = beta * (delta[:, 0] - delta[:, 1])
+            loss = -torch.nn.functional.logsigmoid(margin).mean()
+            stepper.step(loss)
+            total += loss.detach()
+            wins += (margin.detach() > 0).sum()
+            seen += len(idx)
+            tokens, steps = tokens + batch.tokens, steps + 1
+        losses.append(total / max(1, len(mine)))
+        accuracy.append(wins / max(1, seen))
+    losses, accuracy = [float(x) for x in losses], [float(x) for x in accuracy]
+    seconds = time.perf_counter() - start
+    if worker.rank == 0:
+        logger.info("dpo: %d steps in %.1fs, losses %s, reward accuracy %s", steps, seconds, losses, accuracy)
+    state = stepper.trainable_state()
+    stepper.close()
+    worker.dirty = worker.dirty or stepper.hooks_left
+    if worker.rank != 0:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        lm.save(tmp, state)
+        files = read_files(tmp)
+    return {
+        "files": files,
+        "losses": losses,
+        "accuracy": accuracy,
+        "tokens": tokens * worker.world,
+        "seconds": seconds,
+        "startup_s": startup,
+        "steps": steps,
+    }
 
 
 def train_dpo(
@@ -145,52 +171,71 @@ def train_dpo(
     pairs: list[dict[str, list[dict]]],
     out_dir: str | Path,
     tcfg: TrainConfig,
-    storage_path: str | Path,
+    storage_path: str | Path | None = None,
     *,
     pad_id: int,
-    beta: float = 0.1,
-    epochs: int = 1,
+    beta: float | None = None,
+    epochs: int | None = None,
     lr: float | None = None,
     seed: int = 0,
     name: str = "dpo",
-) -> dict:
-    """DPO on encoded trajectory pairs with Ray Train, starting from (and referenced to) ``init_adapter``.
+    group: Any = None,
+) -> TrainResult:
+    """DPO on encoded trajectory pairs, starting from (and referenced to) ``init_adapter``.
+
+    Args:
+        base_path: the frozen backbone.
+        init_adapter: the behavioural-cloning adapter folder (start and reference).
+        pairs: from :func:`encode_pairs`.
+        out_dir: where the DPO adapter is written (peft format).
+        tcfg: training settings (devices, bf16, strategy, packing; ``dpo_beta``, ``dpo_epochs``).
+        storage_path: unused; kept for callers.
+        pad_id: the padding id (padded batches only).
+        beta, epochs, lr: override ``tcfg.dpo_beta``, ``tcfg.dpo_epochs``, ``tcfg.lr``.
+        seed: shuffling seed.
+        name: the run's name in the logs.
+        group: a running ``TrainerGroup`` (kept after); None: one for this call only.
 
     Returns:
-        ``{"path", "loss", "losses", "accuracy"}``.
+        A ``TrainResult`` (``accuracy``: share of pairs with a positive margin, per epoch).
+
+    Raises:
+        ValueError: no pairs.
     """
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    import ray
+
+    from hamo_ray.training.group import TrainerGroup, write_files
 
     if not pairs:
         raise ValueError("no DPO pairs")
-    workers = min(tcfg.num_workers, len(pairs))
-    config = {
-        "base_path": base_path,
-        "init_adapter": init_adapter,
-        "lora": True,
-        "pairs": pairs,
-        "pad_id": pad_id,
-        "beta": beta,
-        "epochs": epochs,
-        "lr": lr if lr is not None else tcfg.lr,
-        "seed": seed,
-        "threads": max(1, (os.cpu_count() or 1) // workers),
-        "bf16": use_bf16(tcfg),  # the same rule as behavioural cloning (train.bf16, else GPU only)
-        "gradient_checkpointing": tcfg.gradient_checkpointing,
-        "lora_r": tcfg.lora_r,
-        "lora_alpha": tcfg.lora_alpha,
-        "lora_dropout": tcfg.lora_dropout,
-        "target_modules": list(tcfg.target_modules),
-    }
-    trainer = TorchTrainer(
-        dpo_loop_per_worker,
-        train_loop_config=config,
-        torch_config=TorchConfig(backend="nccl" if tcfg.use_gpu else "gloo"),
-        scaling_config=ScalingConfig(
-            num_workers=workers, use_gpu=tcfg.use_gpu, resources_per_worker={"CPU": tcfg.cpus_per_worker}
-        ),
-        run_config=RunConfig(name=name, storage_path=str(Path(storage_path).resolve())),
+    wall = time.perf_counter()
+    job = stage_job(tcfg, base_path, True, lr=lr, seed=seed, epochs=epochs or tcfg.dpo_epochs)
+    lengths = [sum(len(s["input_ids"]) for s in p["chosen"] + p["rejected"]) for p in pairs]
+    job.update(
+        examples=ray.put(pairs),
+        init_adapter=init_adapter,
+        pad_id=pad_id,
+        beta=beta if beta is not None else tcfg.dpo_beta,
+        pack_tokens=pack_budget(tcfg, lengths, 1),  # one pair per step unless train.pack_tokens says more
+        batch_size=1,
     )
-    m = fit_to_folder(trainer, out_dir, name)
-    return {"path": str(out_dir), "loss": float(m["loss"]), "losses": m["losses"], "accuracy": m["accuracy"]}
+    own = group is None
+    if own:
+        group = TrainerGroup(tcfg, name=f"{name}-group")
+    try:
+        m = group.run("hamo_ray.training.dpo:dpo_stage", job)
+    finally:
+        if own:
+            group.shutdown()
+    out = write_files(m["files"], out_dir)
+    return TrainResult(
+        path=str(out),
+        loss=m["losses"][-1],
+        losses=m["losses"],
+        tokens=m["tokens"],
+        seconds=m["seconds"],
+        padding=0.0,
+        startup_s=max(0.0, time.perf_counter() - wall - m["seconds"]),
+        steps=m["steps"],
+        accuracy=m["accuracy"],
+    )

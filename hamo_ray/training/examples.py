@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 
 from hamo_ray.config import PromptConfig
-from hamo_ray.prompting import build_messages, encode_example
+from hamo_ray.prompting import encode_example, step_example
 from hamo_ray.types import Card, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -27,19 +27,25 @@ class Example:
 
 
 def trajectory_examples(
-    traj: Trajectory, cards: list[Card], tokenizer, pcfg: PromptConfig, max_seq_len: int
+    traj: Trajectory,
+    cards: list[Card],
+    tokenizer,
+    pcfg: PromptConfig,
+    max_seq_len: int,
+    chat_template_kwargs: dict | None = None,
 ) -> list[Example]:
     """The behavioural-cloning examples of one trajectory, conditioned on ``cards``.
 
+    Each is ``prompting.step_example`` (the rollout's messages, the reply in ``pcfg.reply_format``)
+    rendered with the model's template variables ``chat_template_kwargs``
+    (``ModelConfig.template_kwargs()``, the ones the server renders with).
     Examples longer than ``max_seq_len`` are dropped (and logged): the context rule should
     make them rare; a silent truncation would train on a prompt inference never sends.
     """
     out = []
-    for k, action in enumerate(traj.actions):
-        messages = build_messages(
-            traj.goal, traj.init_obs, cards, traj.actions[:k], traj.observations[:k], pcfg
-        )
-        ids, labels = encode_example(tokenizer, messages, action)
+    for k in range(len(traj.actions)):
+        messages, reply = step_example(traj, k, cards, pcfg)
+        ids, labels = encode_example(tokenizer, messages, reply, chat_template_kwargs)
         if len(ids) > max_seq_len:
             logger.warning(
                 "dropping step %d of %s: %d tokens > max_seq_len %d", k, traj.id, len(ids), max_seq_len
@@ -55,11 +61,13 @@ def build_examples(
     tokenizer,
     pcfg: PromptConfig,
     max_seq_len: int,
+    chat_template_kwargs: dict | None = None,
 ) -> list[Example]:
     """Examples of many trajectories; ``experience[traj.id]`` holds its injected cards (may be empty)."""
     examples: list[Example] = []
     for traj in trajectories:
-        examples.extend(trajectory_examples(traj, experience.get(traj.id, []), tokenizer, pcfg, max_seq_len))
+        cards = experience.get(traj.id, [])
+        examples.extend(trajectory_examples(traj, cards, tokenizer, pcfg, max_seq_len, chat_template_kwargs))
     return examples
 
 

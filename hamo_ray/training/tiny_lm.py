@@ -1,6 +1,6 @@
 """The parts of the embedded default backbone: a byte-level BPE tokenizer and a tiny Qwen3 LM.
 
-Both are saved in Hugging Face format, so everything downstream (peft, vLLM, Ray Train) loads them
+Both are saved in Hugging Face format, so everything downstream (peft, vLLM, the trainer) loads them
 through the same ``from_pretrained`` code as any hub model::
 
     tok = train_tokenizer(texts, vocab_size=2048)

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 on CUDA: a LoRA adapter trained with bf16 and gradient checkpointing,
-saved (ZeRO-3: gathered first, else the adapter is empty), reloaded with peft, and equal to the
-weights the engine held.
+saved (ZeRO-3: gathered first, else the adapter is empty), reloaded with peft; two stages on one
+long-lived worker group (ZeRO-3 reloads the model per stage, ZeRO-2 keeps it).
 
 Auto-skipped without CUDA (tests/conftest.py). Starts its own local Ray when none is running.
 
@@ -54,20 +54,30 @@ def test_zero_adapter_round_trip(ray_gpu, backbone, tmp_path, stage):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from hamo_ray.training.group import TrainerGroup
     from hamo_ray.training.trainer import train_model
 
     gpus = int(ray_gpu.cluster_resources().get("GPU", 0))
     tcfg = TrainConfig(
         use_gpu=True,
         num_workers=max(1, min(gpus, 2)),
+        strategy="deepspeed",
         zero_stage=stage,
         gradient_checkpointing=True,
         target_modules=TARGETS,
     )
-    assert tcfg.strategy == "auto"  # auto on GPU means DeepSpeed
-    result = train_model(
-        backbone, _examples(), tmp_path / "adapter", tcfg, tmp_path / "storage", pad_id=0, epochs=1, lr=1e-3
-    )
+    group = TrainerGroup(tcfg)
+    try:  # two stages on one worker group: the second starts from the first's adapter
+        first = train_model(
+            backbone, _examples(), tmp_path / "a1", tcfg, pad_id=0, epochs=1, lr=1e-3, group=group
+        )
+        result = train_model(
+            backbone, _examples(), tmp_path / "adapter", tcfg, pad_id=0, epochs=1, lr=1e-3,
+            init_adapter=first.path, group=group,
+        )  # fmt: skip
+    finally:
+        group.shutdown()
+    assert result.padding == 0.0 and result.losses[0] == result.losses[0]
     saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     lora_b = [v for k, v in saved.items() if "lora_B" in k]
     assert lora_b and all(v.numel() > 0 for v in lora_b)  # ZeRO-3 without gathering saves empty tensors

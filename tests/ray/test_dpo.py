@@ -1,11 +1,15 @@
-"""DPO on trajectory pairs through Ray Train moves the policy toward the chosen trajectories."""
+"""DPO on trajectory pairs (the shared loop and workers) moves the policy toward the chosen trajectories.
+
+pytest tests/ray/test_dpo.py -q
+"""
 
 from __future__ import annotations
 
 import torch
 
 from hamo_ray.config import PromptConfig, TrainConfig
-from hamo_ray.training.dpo import _sequence_logprob, encode_pairs, train_dpo
+from hamo_ray.training.dpo import encode_pairs, train_dpo, trajectory_logprobs
+from hamo_ray.training.trainer import TrainResult
 from hamo_ray.types import TaskSpec, Trajectory
 
 
@@ -22,14 +26,16 @@ def _traj(v: int, actions: list[str], score: float) -> Trajectory:
 
 
 def test_dpo_raises_the_chosen_margin(ray_session, tmp_path):
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hamo_ray.training.group import TrainerGroup
+    from hamo_ray.training.loop import ModelSpec, load_model
     from hamo_ray.training.tiny_lm import make_random_backbone
 
     base = make_random_backbone(tmp_path / "base")
     tok = AutoTokenizer.from_pretrained(base)
-    tcfg = TrainConfig(lr=5e-3)
+    tcfg = TrainConfig(lr=5e-3, dpo_epochs=3, dpo_beta=0.2)
     init = get_peft_model(
         AutoModelForCausalLM.from_pretrained(base),
         LoraConfig(r=16, lora_alpha=32, target_modules=list(tcfg.target_modules)),
@@ -40,26 +46,58 @@ def test_dpo_raises_the_chosen_margin(ray_session, tmp_path):
         for i in range(3)
     ]
     encoded = encode_pairs(pairs, tok, PromptConfig(), 1024)
+    lm = load_model(ModelSpec.from_config(tcfg, str(base)))
 
     def margin(adapter: str) -> float:
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()
+        lm.reset_adapter(adapter, seed=0)
         with torch.no_grad():
-            return sum(
-                float(_sequence_logprob(model, p["chosen"], tok.pad_token_id))
-                - float(_sequence_logprob(model, p["rejected"], tok.pad_token_id))
-                for p in encoded
-            )
+            sums = trajectory_logprobs(lm.eval(), encoded)
+        return float((sums[:, 0] - sums[:, 1]).sum())
 
-    result = train_dpo(
-        str(base),
-        str(tmp_path / "bc"),
-        encoded,
-        tmp_path / "dpo",
-        tcfg,
-        tmp_path / "train",
-        pad_id=tok.pad_token_id,
-        epochs=3,
-    )
-    assert (tmp_path / "dpo" / "adapter_model.safetensors").exists()
+    group = TrainerGroup(tcfg)
+    try:
+        result = train_dpo(
+            str(base),
+            str(tmp_path / "bc"),
+            encoded,
+            tmp_path / "dpo",
+            tcfg,
+            pad_id=tok.pad_token_id,
+            group=group,
+        )
+        # The same group runs a second DPO stage without reloading the base model.
+        again = train_dpo(
+            str(base),
+            str(tmp_path / "dpo"),
+            encoded,
+            tmp_path / "dpo2",
+            tcfg,
+            pad_id=0,
+            epochs=1,
+            group=group,
+        )
+    finally:
+        group.shutdown()
+    assert isinstance(result, TrainResult) and (tmp_path / "dpo" / "adapter_model.safetensors").exists()
     assert margin(str(tmp_path / "dpo")) > margin(str(tmp_path / "bc"))
-    assert len(result["losses"]) == 3
+    assert len(result.losses) == 3 and len(result.accuracy) == 3 and result.tokens > 0
+    assert len(again.losses) == 1 and again.losses[0] == again.losses[0]
+
+
+def test_packed_and_padded_trajectory_logprobs_agree(tmp_path):
+    from transformers import AutoTokenizer
+
+    from hamo_ray.training.loop import ModelSpec, load_model
+    from hamo_ray.training.tiny_lm import make_random_backbone
+
+    base = make_random_backbone(tmp_path / "base")
+    tok = AutoTokenizer.from_pretrained(base)
+    pairs = [(_traj(0, ["go to outside", "focus on elephant"], 1), _traj(0, ["look around"], 0))]
+    encoded = encode_pairs(pairs, tok, PromptConfig(), 1024)
+    spec = ModelSpec.from_config(TrainConfig(), str(base))
+    with torch.no_grad():
+        packed = trajectory_logprobs(load_model(spec).eval(), encoded, packed=True)
+        padded = trajectory_logprobs(
+            load_model(spec.__class__(**{**spec.to_dict(), "packed": False})).eval(), encoded, packed=False
+        )
+    assert torch.allclose(packed, padded, atol=1e-4)

@@ -24,7 +24,8 @@ OVERRIDES = [
     "train.epochs=1",
     "serve.port=18472",
     "serve.app_name=hamo-resume-test",
-    "ray.num_cpus=4",
+    "ray.num_cpus=8",  # logical CPUs (the default rule): the training workers stay up across stages
+    "ray.address=local",  # its own Ray, never the session's (the test SIGKILLs what the job started)
 ]
 
 

@@ -4,7 +4,7 @@ The run folder is built here: a random tiny backbone, ``adapters/stage-1`` commi
 ``state.json``, a LanceDB memory of a few cards (random unit vectors of the embedding width: the
 retrieval is real, its ranking arbitrary). The job starts its own local Ray with an API key; the
 tests check the models listed, chat and streaming, 401/404/413/400 answers, the harness route, the
-``hamo`` injection (the prompt equals ``prompting.first_user_message`` of the cards returned), and
+client-side prompt (harness cards into ``prompting.build_messages``, as rollout workers do), and
 that a stage committed while the job runs becomes servable without a restart.
 
 The adapters go through an object store: ``serve.adapter_store`` is an ``s3://`` URI on a real S3
@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 from hamo_ray.config import PromptConfig
-from hamo_ray.prompting import first_user_message
+from hamo_ray.prompting import build_messages, first_user_message
 from hamo_ray.types import Card
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,7 +145,7 @@ def run_dir(tmp_path_factory, adapter_store) -> Path:
             "max_tokens_limit": 64,
             "adapter_store": adapter_store,
         },
-        "ray": {"num_cpus": 4},
+        "ray": {"num_cpus": 4, "address": "local"},  # its own Ray, not a `ray start` cluster here
     }
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     (run / "state.json").write_text(json.dumps({"stages": [_stage(1)], "timings": {}}))
@@ -220,7 +220,8 @@ def test_errors(client, job):
         bad = openai.OpenAI(base_url=f"{url}/v1", api_key=key or "x", max_retries=0, timeout=30)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
-    assert httpx.get(f"{url}/health").status_code == 401
+    assert httpx.get(f"{url}/health").status_code == 200  # probes stay open (serve.auth_probes: false)
+    assert httpx.get(f"{url}/v1/models").status_code == 401
     assert httpx.post(f"{url}/harness/retrieve", json={"goal": "x"}).status_code == 401
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="stage-9", messages=[{"role": "user", "content": "x"}])
@@ -240,32 +241,21 @@ def test_errors(client, job):
     assert r.status_code == 400
 
 
-def test_harness_and_injection(client, job):
+def test_harness_cards_in_the_training_format(client, job):
+    """An external client does what rollout workers do: cards from the harness, then build_messages."""
+    goal, obs = "Your task is to find a living thing.", "This room is called the kitchen."
     r = httpx.post(
         f"{job['url']}/harness/retrieve",
-        json={"goal": "find a living thing", "init_obs": "kitchen", "k": 2},
+        json={"goal": goal, "init_obs": obs, "k": 2},
         headers={"Authorization": f"Bearer {KEY}"},
     )
     assert r.status_code == 200 and len(r.json()["cards"]) == 2
-    goal, obs = "Your task is to find a living thing.", "This room is called the kitchen."
-    hamo = {"goal": goal, "init_obs": obs, "k": 2}
-    r = client.chat.completions.create(
-        model="stage-1", messages=[], temperature=0, max_tokens=8, extra_body={"hamo": hamo}
-    )
-    injected = r.model_extra["hamo"]
-    cards = [Card.model_validate(c) for c in injected["cards"]]
-    assert len(cards) == 2
-    first = injected["messages"][0]["content"]
-    assert first == first_user_message(goal, obs, cards, PromptConfig())
-    assert cards[0].outline in first
-    plain = client.chat.completions.create(
-        model="stage-1", messages=injected["messages"], temperature=0, max_tokens=8
-    )
-    assert plain.choices[0].message.content == r.choices[0].message.content
-    assert plain.usage.prompt_tokens == r.usage.prompt_tokens
-    later = {**hamo, "k": 0, "actions": ["look around"], "observations": ["You see a cat."]}
-    r = client.chat.completions.create(model="base", messages=[], max_tokens=4, extra_body={"hamo": later})
-    assert [m["role"] for m in r.model_extra["hamo"]["messages"]] == ["user", "assistant", "user"]
+    cards = [Card.model_validate(c) for c in r.json()["cards"]]
+    messages = build_messages(goal, obs, cards, ["look around"], ["You see a cat."], PromptConfig())
+    assert messages[0]["content"] == first_user_message(goal, obs, cards, PromptConfig())
+    assert cards[0].outline in messages[0]["content"]
+    reply = client.chat.completions.create(model="stage-1", messages=messages, temperature=0, max_tokens=8)
+    assert reply.choices[0].finish_reason in ("stop", "length")
 
 
 def test_stage_committed_while_serving_becomes_usable(client, run_dir):

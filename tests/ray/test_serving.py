@@ -33,8 +33,14 @@ PROMPTS = [
     "pick up thermometer. focus on orange.",
 ]
 MAX_TOKENS = 20
+MAX_LOGPROBS = 8  # passed to the engine through serve.engine_kwargs; a request above it gets 400
 SERVE = ServeConfig(
-    max_num_seqs=16, kv_cache_gib=1, num_cpus=1, port=_free_port(), app_name="hamo-serving-test"
+    max_num_seqs=16,
+    kv_cache_gib=1,
+    num_cpus=1,
+    port=_free_port(),
+    app_name="hamo-serving-test",
+    engine_kwargs={"max_logprobs": MAX_LOGPROBS},
 )
 MODEL = ModelConfig(name="base", max_model_len=512, dtype="float32")
 
@@ -105,8 +111,6 @@ def test_errors_are_openai_json(client, server):
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     assert err.value.body["code"] == "model_not_found"
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="base", messages=[{"role": "user", "content": "x"}], n=2)
     with pytest.raises(openai.BadRequestError, match="context window"):
         client.chat.completions.create(model="base", messages=[{"role": "user", "content": "kitchen " * 600}])
     for bad in (b"{not json", b'{"model": "base"}'):
@@ -309,7 +313,7 @@ def test_load_200_concurrent_chats_are_batched(server, published):
     assert peak <= SERVE.max_num_seqs  # the sampled gauge is the engine's, bounded by its batch size
 
 
-def test_limits_and_injection_without_harness(client, server):
+def test_limits(client, server):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.chat.completions.create(
             model="base", messages=[{"role": "user", "content": "x"}], max_tokens=SERVE.max_tokens_limit + 1
@@ -318,12 +322,101 @@ def test_limits_and_injection_without_harness(client, server):
     r = httpx.post(f"{server}/v1/chat/completions", content=big, headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
     assert httpx.get(f"{server}/nope").status_code == 404
-    hamo = {"goal": "focus on the animal", "init_obs": "kitchen", "k": 0}
-    r = client.chat.completions.create(model="base", messages=[], max_tokens=4, extra_body={"hamo": hamo})
-    assert r.model_extra["hamo"]["cards"] == [] and "Task: focus on the animal" in str(r.model_extra["hamo"])
-    with pytest.raises(openai.BadRequestError, match="no harness"):
-        client.chat.completions.create(model="base", messages=[], extra_body={"hamo": {**hamo, "k": 2}})
-    with pytest.raises(openai.BadRequestError):  # messages and hamo together
-        client.chat.completions.create(
-            model="base", messages=[{"role": "user", "content": "x"}], extra_body={"hamo": hamo}
-        )
+    # The server builds no prompts: the old server-side injection field is an unknown field now.
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="base", messages=[{"role": "user", "content": "x"}],
+                                       extra_body={"hamo": {"goal": "g"}})  # fmt: skip
+    assert err.value.body["param"] == "hamo"
+
+
+# --- Every OpenAI/vLLM sampling field through the official client: honoured, or 400 naming it ---
+
+CHAT = [{"role": "user", "content": PROMPTS[0]}]
+
+
+def _ids(r, i: int = 0) -> list[int]:
+    return list(r.choices[i].model_extra["token_ids"])
+
+
+def _greedy(client, **fields):
+    """A chat request for ``CHAT``: greedy and ``MAX_TOKENS`` long unless ``fields`` say otherwise."""
+    extra = {"return_token_ids": True, **fields.pop("extra_body", {})}
+    request = {"temperature": 0, "max_tokens": MAX_TOKENS, **fields}
+    return client.chat.completions.create(model="base", messages=CHAT, extra_body=extra, **request)
+
+
+def test_sampling_fields_are_honoured(client):
+    base = _greedy(client)
+    ref = _ids(base)
+    assert len(ref) >= 4 and base.model_extra["prompt_token_ids"]
+    # top_k=1 and min_p=1 leave only the most likely token: greedy even at temperature 1.
+    hot = {"temperature": 1.0, "seed": 5}
+    assert _ids(_greedy(client, extra_body={"top_k": 1}, **hot)) == ref
+    assert _ids(_greedy(client, extra_body={"min_p": 1.0}, **hot)) == ref
+    # Seeds: the same seed samples the same tokens.
+    a, b = (_ids(_greedy(client, **hot)) for _ in range(2))
+    assert a == b
+    # Penalties change what greedy decoding picks (the random backbone repeats itself).
+    penalised = [
+        _ids(_greedy(client, presence_penalty=2.0)),
+        _ids(_greedy(client, frequency_penalty=2.0)),
+        _ids(_greedy(client, extra_body={"repetition_penalty": 2.0})),
+    ]
+    assert any(p != ref for p in penalised)
+    # logit_bias: the greedy first token, banned.
+    assert _ids(_greedy(client, logit_bias={str(ref[0]): -100}))[0] != ref[0]
+    # stop_token_ids / stop strings end the output there.
+    stopped = _greedy(client, extra_body={"stop_token_ids": [ref[0]]})  # greedy's first token stops it
+    assert len(_ids(stopped)) <= 1 and stopped.choices[0].finish_reason == "stop"
+    text = base.choices[0].message.content
+    if len(text.strip()) > 2:
+        cut = text.strip()[1:3]
+        r = _greedy(client, stop=[cut])
+        assert cut not in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+    # min_tokens + ignore_eos: exactly max_tokens tokens.
+    r = _greedy(client, max_tokens=12, extra_body={"min_tokens": 12, "ignore_eos": True})
+    assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+    r = _greedy(client, max_completion_tokens=3)
+    assert r.usage.completion_tokens <= 3
+    # logprobs / top_logprobs.
+    r = _greedy(client, logprobs=True, top_logprobs=3)
+    assert all(len(t.top_logprobs) == 3 for t in r.choices[0].logprobs.content)
+    # n > 1: n choices, indexed, usage summed.
+    r = client.chat.completions.create(
+        model="base", messages=CHAT, n=3, max_tokens=5, seed=1, temperature=1.0
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.completion_tokens >= 3 and len({c.message.content for c in r.choices}) > 1
+    chunks = list(
+        client.chat.completions.create(model="base", messages=CHAT, n=2, max_tokens=4, stream=True, seed=1)
+    )
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    # chat_template_kwargs are accepted (this template has no variables; the Qwen3 test shows the effect).
+    assert _ids(_greedy(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}})) == ref
+    # Engine arguments from serve.engine_kwargs reached the engine: its max_logprobs is enforced.
+    with pytest.raises(openai.BadRequestError):
+        _greedy(client, logprobs=True, top_logprobs=MAX_LOGPROBS + 1)
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
+        ({"extra_body": {"chat_template": "{{ 1 }}"}}, "chat_template"),
+        ({"extra_body": {"chat_template_kwargs": {"tokenize": False}}}, "chat_template_kwargs"),
+        ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+        ({"extra_body": {"top_k": -5}}, "top_k"),
+    ],
+)
+def test_unserved_fields_get_400_naming_them(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="base", messages=CHAT, max_tokens=2, **fields)
+    assert err.value.body["param"] == param and param in err.value.body["message"]
+
+
+def test_health_and_metrics_need_no_key_by_default(server):
+    assert httpx.get(f"{server}/health").status_code == 200
+    assert "vllm:" in httpx.get(f"{server}/metrics").text

@@ -1,4 +1,8 @@
-"""A real 2-stage tiny stream: Ray, Serve + vLLM, LanceDB, ScienceWorld, Ray Train, end to end."""
+"""A real 2-stage tiny stream: Ray, Serve + vLLM, LanceDB, ScienceWorld, Ray Train, end to end.
+
+The endpoint is guarded by ``serve.api_key``: publishing, evaluation episodes and harness
+retrieval all have to carry the key (``hamo_ray.runtime``), or the stream fails or scores 401s.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import pytest
 from hamo_ray.config import ConfigError, load_config
 from hamo_ray.stream import Stream
 
+KEY = "stream-test-key"
 OVERRIDES = [
     # A smaller backbone build and stream than jobs/configs/tiny.yaml, to keep the suite short.
     "backbone.per_task=6",
@@ -37,6 +42,7 @@ def finished_run(ray_session, tmp_path_factory):
             f"backbone.cache_dir={root / 'backbones'}",
             # adapters reach the replica through an object-store URI (file://: same code as s3://)
             f"serve.adapter_store=file://{root / 'store'}",
+            f"serve.api_key={KEY}",
         ],
     )
     results = Stream(cfg).run()
@@ -57,6 +63,19 @@ def test_run_folder_contents(finished_run):
     for stage in (1, 2):
         episodes = (run / "episodes" / f"stage-{stage}-scienceworld.jsonl").read_text().splitlines()
         assert len(episodes) == 2 * len(cfg.env.task_types)
+
+
+def test_every_request_carried_the_api_key(finished_run):
+    """A 401 would show as an episode error; retrieval through the guarded harness injected cards."""
+    _, run, _ = finished_run
+    used = []
+    for stage in (1, 2):
+        lines = (run / "episodes" / f"stage-{stage}-scienceworld.jsonl").read_text().splitlines()
+        episodes = [json.loads(line) for line in lines]
+        assert [e["error"] for e in episodes if e["error"]] == []
+        assert {e["model"] for e in episodes} == {f"stage-{stage}"}
+        used += [e["cards_used"] for e in episodes]
+    assert any(used)
 
 
 def test_selection_budget_and_replay(finished_run):
@@ -108,3 +127,17 @@ def test_resubmitting_a_finished_run_does_nothing_and_no_resume_refuses(finished
     no_resume = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": False})})
     with pytest.raises(ConfigError, match="finished stage"):
         Stream(no_resume).run()
+
+
+def test_run_folder_has_tensorboard_events(finished_run):
+    """Per-stage scores, budgets, memory size and phase timings are in the run's TensorBoard events."""
+    from hamo_ray.tracking import read_scalars
+
+    cfg, run, results = finished_run
+    scalars = read_scalars(run / "tensorboard")
+    assert [step for step, _ in scalars["score/scienceworld"]] == [r.stage for r in results]
+    assert [v for _, v in scalars["score/scienceworld"]] == pytest.approx(
+        [r.scores["scienceworld"] for r in results]
+    )
+    assert [v for _, v in scalars["memory/cards"]] == [r.num_cards for r in results]
+    assert "seconds/train" in scalars and "stage/budget" in scalars

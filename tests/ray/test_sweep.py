@@ -32,7 +32,8 @@ def test_tiny_sweep_aggregates(tmp_path):
             "rollout.num_workers=1",
             "serve.port=18473",
             "serve.app_name=hamo-sweep-test",
-            "ray.num_cpus=4",
+            "ray.num_cpus=8",  # logical CPUs (the default rule): the training workers stay up across stages
+            "ray.address=local",  # its own Ray, not a `ray start` cluster that may run here
         ],
         "grid": {"method": ["base", "harness", "model_only", "hamo"], "seed": [0, 1]},
     }

@@ -7,7 +7,6 @@ that is most of this module's time (~30-60 s on 2 cores, kitchens being the slow
 from __future__ import annotations
 
 import json
-import logging
 import random
 import shutil
 import subprocess
@@ -22,6 +21,7 @@ from hamo_ray.config import ConfigError, EnvConfig  # noqa: E402
 from hamo_ray.envs import get_domain  # noqa: E402
 from hamo_ray.envs.alfworld import AlfWorldEnv, generate  # noqa: E402
 from hamo_ray.envs.alfworld.domain import GameStore  # noqa: E402
+from hamo_ray.types import TaskSpec  # noqa: E402
 
 SIX = [
     "pick_and_place_simple",
@@ -37,6 +37,7 @@ def _cfg(games_dir: Path, **kw) -> EnvConfig:
     return EnvConfig(
         domain="alfworld",
         task_types=SIX,
+        alfworld_games="generated",
         alfworld_data=str(games_dir / "no-official-data"),
         alfworld_games_dir=str(games_dir),
         **kw,
@@ -50,6 +51,8 @@ def games(tmp_path_factory: pytest.TempPathFactory) -> tuple[EnvConfig, dict]:
     domain = get_domain("alfworld", cfg)
     tasks = {("train", tt): domain.tasks("train", tt, limit=1)[0] for tt in SIX}
     tasks["test", "look_at_obj_in_light"] = domain.tasks("test", "look_at_obj_in_light", limit=1)[0]
+    for task in tasks.values():  # tasks() generates nothing: the games are made on first use
+        domain.store.game_file(task.split, task.task, task.variation)
     return cfg, tasks
 
 
@@ -185,15 +188,34 @@ def test_episode_is_done_after_max_turns(games) -> None:
         env.close()
 
 
-def test_missing_official_data_is_reported_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    cfg = _cfg(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="hamo_ray.envs.alfworld.domain"):
-        for _ in range(2):
-            domain = get_domain("alfworld", cfg)
-            assert domain.tasks("train", "pick_and_place_simple", limit=0) == []
-            domain.make_env().close()
-    warnings = [r for r in caplog.records if "ALFWORLD_DATA" in r.getMessage()]
-    assert len(warnings) == 1 and "generator" in warnings[0].getMessage()
+def test_missing_official_data_stops_with_the_setting_and_folder_named(tmp_path: Path) -> None:
+    """Official games asked for (the default) and missing: a ConfigError, never generated games."""
+    cfg = EnvConfig(
+        domain="alfworld", alfworld_data=str(tmp_path / "none"), alfworld_games_dir=str(tmp_path / "gen")
+    )
+    assert cfg.alfworld_games == "official"
+    domain = get_domain("alfworld", cfg)  # cheap: nothing listed, nothing generated
+    for call in (
+        lambda: domain.tasks("train", "pick_and_place_simple"),
+        domain.store.check,
+        lambda: domain.make_env().reset(
+            TaskSpec(domain="alfworld", task="pick_and_place_simple", variation=0)
+        ),
+    ):
+        with pytest.raises(
+            ConfigError,
+            match=f"env.alfworld_games=official: no official ALFWorld games under {tmp_path / 'none'}",
+        ):
+            call()
+    assert not (tmp_path / "gen").exists()
+
+
+def test_listing_tasks_generates_nothing(tmp_path: Path) -> None:
+    domain = get_domain("alfworld", _cfg(tmp_path / "games"))
+    tasks = domain.tasks("train", "pick_heat_then_place_in_recep", limit=3)
+    assert [t.variation for t in tasks] == [0, 1, 2]
+    assert len(domain.tasks("test", "pick_and_place_simple")) == domain.cfg.alfworld_games_per_task
+    assert not (tmp_path / "games").exists()
 
 
 def test_official_data_is_used_when_present(games, tmp_path: Path) -> None:

@@ -82,3 +82,22 @@ def test_finished_run_is_not_overwritten_silently(tmp_path):
     assert (tmp_path / "r1" / "results" / "scores.csv").read_text().splitlines()[
         1
     ] == "1,scienceworld,hamo,10.0000"
+
+
+def test_constructor_only_validates(tmp_path):
+    """No task list (ALFWorld would generate its games), no folder, no Ray before ``run``."""
+    import ray
+
+    games = tmp_path / "games"
+    cfg = _cfg(
+        tmp_path,
+        "env.domain=alfworld",
+        "env.alfworld_games=generated",
+        f"env.alfworld_games_dir={games}",
+        "env.task_types=[pick_and_place_simple]",
+        "run.id=lazy",
+    )
+    stream = Stream(cfg)
+    assert not games.exists() and not (tmp_path / "lazy").exists() and not ray.is_initialized()
+    assert "stage_tasks" not in vars(stream) and "test_tasks" not in vars(stream)
+    assert stream.stage_domains == ["alfworld", "alfworld"] and stream.expected_stages == [1, 2]

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import random
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlparse
 
 import pytest
 
@@ -17,7 +13,7 @@ from hamo_ray.envs.webshop import WebShopDomain
 from hamo_ray.envs.webshop.catalog import CATEGORIES, build_catalog
 from hamo_ray.envs.webshop.client import REAL_SPLITS, WebShopHttpEnv
 from hamo_ray.envs.webshop.reward import Goal, Product, get_reward, normalize_color, token_set_ratio
-from hamo_ray.envs.webshop.standin import WebShopStandinEnv
+from hamo_ray.envs.webshop.server import StandinServer, standin_task
 from hamo_ray.types import TaskSpec
 
 N_PRODUCTS = 1000
@@ -208,95 +204,35 @@ def test_attribute_pools_are_distinguishable() -> None:
                     assert x == y or (token_set_ratio(x, y) <= 85 and x not in y), (x, y)
 
 
-# ---- the HTTP client against a loopback server speaking the AgentGym WebShop API -----------------
-
-
-class _Handler(BaseHTTPRequestHandler):
-    """AgentGym's WebShop server API, backed by stand-in environments (goal i = test variation i)."""
-
-    envs: dict[int, WebShopStandinEnv] = {}
-    catalog = None
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-    def _reply(self, body: object, status: int = 200) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:  # noqa: N802
-        url = urlparse(self.path)
-        env = self.envs.get(int(parse_qs(url.query).get("env_idx", ["-1"])[0]))
-        if env is None:
-            return self._reply({"detail": "no such env"}, 404)
-        if url.path == "/instruction_text":
-            return self._reply("Instruction: " + env._goal.instruction_text)
-        if url.path == "/observation":
-            return self._reply(env.observation)
-        if url.path == "/available_actions":
-            return self._reply(
-                {"has_search_bar": env._page == "search", "clickables": list(env.clickables())}
-            )
-        self._reply({"detail": "not found"}, 404)
-
-    def do_POST(self) -> None:  # noqa: N802
-        length = int(self.headers.get("Content-Length") or 0)
-        body = json.loads(self.rfile.read(length) or b"{}")
-        if self.path == "/create":
-            idx = len(self.envs)
-            self.envs[idx] = WebShopStandinEnv(self.catalog)
-            return self._reply(idx)
-        env = self.envs.get(body.get("env_idx", -1))
-        if env is None:
-            return self._reply({"detail": "no such env"}, 404)
-        if self.path == "/reset":
-            first = self.catalog.split_range("fashion", "test")[0]
-            _, obs = env.reset(
-                TaskSpec(domain="webshop", task="fashion", variation=first + body["session_id"], split="test")
-            )
-            return self._reply([obs, None])
-        if self.path == "/step":
-            r = env.step(body["action"])
-            return self._reply(
-                {"state": r.observation, "reward": r.score / 100, "done": r.done, "info": None}
-            )
-        if self.path == "/close":
-            return self._reply({"closed": self.envs.pop(body["env_idx"], None) is not None})
-        self._reply({"detail": "not found"}, 404)
+# ---- the HTTP client against the loopback server speaking the AgentGym WebShop API ---------------
 
 
 @pytest.fixture()
-def server() -> Iterator[str]:
-    _Handler.catalog = build_catalog(0, N_PRODUCTS)
-    _Handler.envs = {}
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+def server() -> Iterator[StandinServer]:
+    srv = StandinServer(build_catalog(0, N_PRODUCTS))
+    srv.start()
+    yield srv
+    srv.stop()
 
 
-def test_http_client_plays_an_episode(server: str) -> None:
-    domain = get_domain("webshop", EnvConfig(webshop_backend="http", webshop_url=server))
+def test_http_client_plays_an_episode(server: StandinServer) -> None:
+    domain = get_domain("webshop", EnvConfig(webshop_backend="http", webshop_url=server.url))
     assert domain.task_types() == ["all"]
     tasks = domain.tasks("test", "all", limit=3)
     assert [t.variation for t in tasks] == [0, 1, 2] and domain.tasks("train", "all", 1)[0].variation == 1500
     env = domain.make_env()
     assert isinstance(env, WebShopHttpEnv)
     goal, obs = env.reset(tasks[1])
-    expected = _Handler.catalog.goal("fashion", _Handler.catalog.split_range("fashion", "test")[1])
-    assert goal == expected.instruction_text and obs.startswith("WebShop [SEP] Instruction:")
+    standin = standin_task(server.catalog, 1)
+    assert standin.split == "test" and standin.task == CATEGORIES[1]
+    assert goal == server.catalog.goal(standin.task, standin.variation).instruction_text
+    assert obs.startswith("WebShop [SEP] Instruction:")
     assert env.valid_actions() == ["search[<keywords>]"]
     assert env.step("jump").observation == obs
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(NotImplementedError, match="env.expert_source=file"):
         env.expert_actions()
     # play the stand-in's own expert plan through the client
-    plan = _Handler.envs[env.env_idx].expert_actions()
+    plan = server.expert_plan(1)
     for action in plan[:-1]:
         assert not env.step(action).done
     assert "click[buy now]" in env.valid_actions()
@@ -307,5 +243,19 @@ def test_http_client_plays_an_episode(server: str) -> None:
         env.reset(TaskSpec(domain="webshop", task="all", variation=600, split="test"))
     env.close()
     env.close()
-    assert _Handler.envs == {}
+    assert server.envs == {}
     assert REAL_SPLITS["dev"] == range(500, 1500)
+
+
+def test_standin_goals_keep_webshop_splits(server: StandinServer) -> None:
+    seen = {}
+    for goal in (*range(0, 20), *range(500, 520), *range(1500, 1540)):
+        task = standin_task(server.catalog, goal)
+        seen.setdefault(task.split, set()).add((task.task, task.variation))
+        assert task.variation in server.catalog.split_range(task.task, task.split)
+    assert [standin_task(server.catalog, g).split for g in (0, 499, 500, 1499, 1500, 12086)] == [
+        "test", "test", "dev", "dev", "train", "train"
+    ]  # fmt: skip
+    assert not seen["train"] & seen["test"] and len(seen["train"]) == 40
+    with pytest.raises(ValueError, match="12087"):
+        standin_task(server.catalog, 12087)

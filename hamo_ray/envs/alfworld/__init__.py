@@ -3,7 +3,7 @@
 Usage::
 
     domain = get_domain("alfworld", EnvConfig(domain="alfworld"))
-    tasks = domain.tasks("test", "pick_heat_then_place_in_recep", limit=3)   # generated on first use
+    tasks = domain.tasks("test", "pick_heat_then_place_in_recep", limit=3)
     with domain.make_env() as env:
         goal, obs = env.reset(tasks[0])     # "put a hot egg in fridge.", "You are in the middle of a room ..."
         for action in env.expert_actions(): # the handcoded expert's winning commands
@@ -12,22 +12,22 @@ Usage::
 - **Task types**: ALFWorld's six (``pick_and_place_simple``, ``look_at_obj_in_light``,
   ``pick_clean_then_place_in_recep``, ``pick_heat_then_place_in_recep``, ``pick_cool_then_place_in_recep``,
   ``pick_two_obj_and_place``); another name is a ``ConfigError`` naming it.
-- **Games**: the official ones when present, in the layout ``alfworld-download`` fills:
-  ``$ALFWORLD_DATA/json_2.1.1/{train,valid_seen,valid_unseen}/<task>-.../trial_.../game.tw-pddl`` (root:
-  ``env.alfworld_data``, else ``$ALFWORLD_DATA``, else ``~/.cache/alfworld``). Splits: ``train`` = train,
-  ``dev`` = valid_seen, ``test`` = valid_unseen; a split's games of one type, sorted by path, are its
-  variations (movable/sliced trials and unsolvable games skipped, as ``AlfredTWEnv`` does). Without
-  them (they cannot be downloaded here), a warning naming ALFWORLD_DATA and the fallback is logged once,
-  and ``generate.py`` makes ALFRED-style games on the package's own PDDL domain, grammar and room
-  layouts, in the same layout, under ``env.alfworld_games_dir`` (default
-  ``~/.cache/hamo_ray/alfworld/<generator version>-seed<alfworld_seed>``), ``env.alfworld_games_per_task``
-  variations per task type and split. Train/dev use ALFRED's train floor plans (dev: other placements,
+- **Games** (``env.alfworld_games``): ``official`` (the default) uses the downloaded games, in the layout
+  ``alfworld-download`` fills: ``$ALFWORLD_DATA/json_2.1.1/{train,valid_seen,valid_unseen}/<task>-.../trial_.../
+  game.tw-pddl`` (root: ``env.alfworld_data``, else ``$ALFWORLD_DATA``, else ``~/.cache/alfworld``). Splits:
+  ``train`` = train, ``dev`` = valid_seen, ``test`` = valid_unseen; a split's games of one type, sorted by
+  path, are its variations (movable/sliced trials and unsolvable games skipped, as ``AlfredTWEnv`` does).
+  Missing official games stop a run before any work (``GameStore.check``: a ``ConfigError`` naming
+  ``env.alfworld_games`` and the folder); nothing is substituted. ``generated`` (asked for explicitly,
+  e.g. by the tiny presets, since the official games cannot be downloaded here) makes ALFRED-style games
+  with ``generate.py`` on the package's own PDDL domain, grammar and room layouts, in the same layout,
+  under ``env.alfworld_games_dir`` (default ``~/.cache/hamo_ray/alfworld/<generator version>-seed<alfworld_seed>``),
+  ``env.alfworld_games_per_task`` variations per task type and split; their scores are not comparable
+  with published ALFWorld numbers. Train/dev use ALFRED's train floor plans (dev: other placements,
   like valid_seen), test its held-out floor plans (like valid_unseen): train and test never share a room.
-  ``tasks()`` generates the games it returns (progress logged); ``reset()`` generates a missing one (a
-  node with an empty cache); both are deterministic in (seed, split, task type, variation).
-  Every generated game is validated: the official handcoded expert must win it (within 50 steps)
-  through the official wrapper stack; its commands are stored as the game's ``walkthrough`` with
-  ``solvable: true``, the format ``alfworld-generate`` writes, so ``AlfredTWEnv`` loads the folder as is.
+  Building the domain and listing its ``tasks()`` generate nothing (so config checks stay fast); a
+  game is generated when an episode first loads it (``reset()``) and cached; deterministic in (seed,
+  split, task type, variation), and written atomically, so concurrent actors may race for it safely.
 - **Env**: the stack of ``AlfredTWEnv``/``alfworld-generate`` (``textworld.envs.PddlEnv`` +
   ``AlfredDemangler`` + ``AlfredInfos``), one game at a time, synchronous (no gym batch processes). The
   goal is the task sentence, the first observation the room description (banner and task line removed).

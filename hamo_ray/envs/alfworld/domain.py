@@ -1,4 +1,4 @@
-"""The ALFWorld domain and environment: official games when present, generated ones otherwise.
+"""The ALFWorld domain and environment: official games, or generated ones when the config asks for them.
 
 See the package docstring (``hamo_ray.envs.alfworld``) for usage, splits, timings and memory.
 """
@@ -9,7 +9,7 @@ import functools
 import json
 import logging
 import os
-import threading
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,6 @@ logger = logging.getLogger(__name__)
 SPLITS = tuple(SPLIT_DIRS)
 _TASK_PREFIX = "Your task is to: "
 _BANNER = "-= Welcome to TextWorld, ALFRED! =-"
-_WARN_LOCK = threading.Lock()
-_WARNED: set[str] = set()
 
 
 def official_root(cfg: EnvConfig) -> Path:
@@ -63,20 +61,6 @@ def has_official_data(root: Path) -> bool:
     return train.is_dir() and next(train.glob("*/*/game.tw-pddl"), None) is not None
 
 
-def _warn_once(root: Path, fallback: Path) -> None:
-    with _WARN_LOCK:
-        if str(root) in _WARNED:
-            return
-        _WARNED.add(str(root))
-    logger.warning(
-        "alfworld: no official ALFWorld games under %s (set ALFWORLD_DATA or env.alfworld_data to the "
-        "folder `alfworld-download` fills); falling back to the generator of ALFRED-style games "
-        "(hamo_ray.envs.alfworld.generate), cached under %s",
-        root,
-        fallback,
-    )
-
-
 @functools.cache
 def _game_logic() -> tuple[str, str]:
     """The package's PDDL domain and grammar (``alfworld/data/alfred.pddl`` and ``alfred.twl2``)."""
@@ -87,21 +71,55 @@ def _game_logic() -> tuple[str, str]:
 
 
 class GameStore:
-    """Maps a ``TaskSpec`` to its game file: an official one, or a generated one (made on first use)."""
+    """Maps a ``TaskSpec`` to its game file: an official one, or a generated one (made on first use).
+
+    ``env.alfworld_games`` decides which: ``official`` games must be there (``check`` raises otherwise,
+    naming the setting and the folder); ``generated`` ones are made when an episode first needs them.
+    Construction is cheap: no folder is listed and nothing is generated.
+    """
 
     def __init__(self, cfg: EnvConfig) -> None:
         self.cfg = cfg
         self.root = official_root(cfg)
-        self.official = has_official_data(self.root)
+        self.official = cfg.alfworld_games == "official"
         self.generated = generated_root(cfg)
 
-    def report_source(self) -> None:
-        """Warn (once per process and data folder) when the official games are missing."""
-        if not self.official:
-            _warn_once(self.root, self.generated)
+    def describe(self) -> str:
+        """Where the games come from, for messages."""
+        if self.official:
+            return f"{self.root} (official games)"
+        return f"{self.generated} (generated games, env.alfworld_games=generated)"
+
+    def check(self) -> None:
+        """Raise unless the configured games can be had.
+
+        Raises:
+            ConfigError: ``env.alfworld_games=official`` and no official games under the data folder.
+        """
+        if self.official and not has_official_data(self.root):
+            raise ConfigError(
+                f"env.alfworld_games=official: no official ALFWorld games under {self.root} "
+                "(expected json_2.1.1/train/<task>/<trial>/game.tw-pddl, as `alfworld-download` fills; "
+                "set env.alfworld_data or $ALFWORLD_DATA to that folder, or env.alfworld_games=generated "
+                "for generated games, which are not comparable with published ALFWorld numbers)"
+            )
+
+    def variation_of(self, split: str, task_type: str, folder: str, trial: str) -> int | None:
+        """The variation of the game ``<split dir>/<folder>/<trial>``, or None when there is no such game."""
+        if self.official:
+            self.check()
+            for i, game in enumerate(official_games(self.root, split, task_type)):
+                if game.parent.name == trial and game.parent.parent.name == folder:
+                    return i
+            return None
+        m = re.fullmatch(rf"{re.escape(task_type)}-(\d{{5}})-.*", folder)
+        if m is None or trial != "trial_hamo" or int(m.group(1)) >= self.cfg.alfworld_games_per_task:
+            return None
+        return int(m.group(1))
 
     def count(self, split: str, task_type: str) -> int:
         if self.official:
+            self.check()
             return len(official_games(self.root, split, task_type))
         return self.cfg.alfworld_games_per_task
 
@@ -127,6 +145,16 @@ class GameStore:
         domain, grammar = _game_logic()
         seed = self.cfg.alfworld_seed
         return generate_game(self.generated, domain, grammar, split, task_type, variation, seed)
+
+    def existing_game(self, split: str, task_type: str, variation: int) -> Path | None:
+        """The game file of a variation if it is already there (nothing is generated)."""
+        if self.official:
+            games = official_games(self.root, split, task_type)
+            return games[variation] if 0 <= variation < len(games) else None
+        split_dir = self.generated / "json_2.1.1" / SPLIT_DIRS[split]
+        return next(
+            split_dir.glob(f"{game_dir_prefix(task_type, variation)}-*/trial_hamo/game.tw-pddl"), None
+        )
 
     def ensure(self, split: str, task_type: str, variations: range) -> None:
         """Generate the missing games among ``variations`` (a no-op for official data), logging progress."""
@@ -256,7 +284,7 @@ class AlfWorldEnv:
 
 @register_domain("alfworld")
 class AlfWorldDomain(Domain):
-    """ALFWorld's six task types; official games (``ALFWORLD_DATA``) or generated ones.
+    """ALFWorld's six task types; official games (``ALFWORLD_DATA``) or generated ones (``env.alfworld_games``).
 
     Splits: ``train`` = ``json_2.1.1/train``, ``dev`` = ``valid_seen``, ``test`` = ``valid_unseen``.
     """
@@ -280,19 +308,20 @@ class AlfWorldDomain(Domain):
         return list(TASK_TYPES)
 
     def tasks(self, split: str, task_type: str, limit: int | None = None) -> list[TaskSpec]:
-        """Games of ``task_type`` in ``split`` in variation order; generated ones are made on first use.
+        """Games of ``task_type`` in ``split`` in variation order.
+
+        Nothing is generated here (config checks and ``Stream`` construction call this): a generated
+        game is made when an episode first loads it (``AlfWorldEnv.reset``), or by ``store.ensure``.
 
         Raises:
-            ConfigError: unknown split or task type.
+            ConfigError: unknown split or task type; official games asked for and missing.
         """
         if split not in SPLITS:
             raise ConfigError(f"unknown alfworld split {split!r}; known: {', '.join(SPLITS)}")
         self.check_task_types([task_type])
-        self.store.report_source()
         variations = range(self.store.count(split, task_type))
         if limit is not None:
             variations = variations[:limit]
-        self.store.ensure(split, task_type, variations)
         return [TaskSpec(domain=self.name, task=task_type, variation=v, split=split) for v in variations]
 
     def make_env(self) -> AlfWorldEnv:

@@ -9,7 +9,9 @@
 - ``text_env``: WebShop's own ``WebAgentTextEnv`` in-process (``web_agent_site`` must be importable).
 - ``http``: a WebShop environment server (AgentGym API) at ``env.webshop_url``.
 
-The real backends have one task type, ``all`` (see ``client.py`` for splits and how to start them).
+The real backends have one task type, ``all`` (see ``client.py`` for splits and how to start them), and
+no expert: a run with them imports its WebShop experts (``env.expert_source=file``, ``expert_data.py``).
+``server.py`` serves the stand-in behind the real env server's HTTP API (tests, smoke runs).
 
 Usage::
 

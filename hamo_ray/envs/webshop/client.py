@@ -27,7 +27,9 @@ Tasks: WebShop's 12,087 human instructions in the server's fixed shuffled order,
 (``all``), split as WebShop's baselines and ReAct/AgentGym do: test = goals 0-499, dev = 500-1499,
 train = 1500 on. The score is 100 x the reward of the purchase. The real WebShop has no per-instruction
 expert behind these APIs (its human demonstrations are files of its repository), so
-``expert_actions`` raises ``NotImplementedError``: use the stand-in for expert trajectories.
+``expert_actions`` raises ``NotImplementedError``: a run with a real backend takes its WebShop experts
+from a file (``env.expert_source=file``, ``hamo_ray/envs/expert_data.py``: AgentGym's / ETO's data).
+``server.py`` serves the stand-in behind this same API (tests, smoke runs).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ REAL_NUM_GOALS = 12087
 REAL_SPLITS = {"test": range(0, 500), "dev": range(500, 1500), "train": range(1500, REAL_NUM_GOALS)}
 _NO_EXPERT = (
     "the real WebShop offers no expert actions through its text environment or env server; "
-    "collect expert trajectories on the stand-in (env.webshop_backend=standin)"
+    "import expert trajectories (env.expert_source=file, env.expert_files.webshop=<AgentGym/ETO file>) "
+    "or use the stand-in (env.webshop_backend=standin)"
 )
 
 

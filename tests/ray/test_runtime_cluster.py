@@ -1,0 +1,100 @@
+"""``hamo_ray.runtime.start_ray`` joins a running ``ray start`` cluster by default; ``ray.address=local`` does not.
+
+A real head node (``ray start --head --block``) runs with its own Ray temp folder (``RAY_TMPDIR``),
+so the address file it writes is the one ``ray.init()`` would find on a machine where a cluster
+runs, without touching ``/tmp/ray`` of other Ray instances on this machine. The drivers are
+subprocesses, as ``python jobs/stream.py`` on a head node would be.
+
+    pytest tests/ray/test_runtime_cluster.py -x -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = """
+import json, sys
+import ray
+from hamo_ray.config import RayConfig
+from hamo_ray.runtime import start_ray
+address = sys.argv[1] or None
+start_ray(RayConfig(address=address, num_cpus=2))
+print("RESULT", json.dumps({"gcs": ray.get_runtime_context().gcs_address,
+                            "cpus": ray.cluster_resources().get("CPU")}))
+ray.shutdown()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def head():
+    """A 3-CPU head node in its own temp folder: ``(env for drivers, gcs port)``."""
+    tmp = tempfile.mkdtemp(prefix="hrt", dir="/tmp")  # short: Ray's socket paths must stay short
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=tmp, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT))
+    port = _free_port()
+    ray_bin = Path(sys.executable).with_name("ray")
+    cmd = [
+        str(ray_bin),
+        "start",
+        "--head",
+        "--block",
+        f"--port={port}",
+        "--num-cpus=3",
+        "--include-dashboard=false",
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    address_file = Path(tmp) / "ray" / "ray_current_cluster"
+    deadline = time.monotonic() + 180
+    while not address_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"ray start failed: {proc.stdout.read().decode()[-2000:]}")
+        time.sleep(1)
+    try:
+        yield env, port
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # only this head's process group
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _driver(env: dict, address: str = "") -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", DRIVER, address], env=env, capture_output=True, text=True, timeout=300
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stdout[-2000:] + out.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+@pytest.mark.timeout(600)
+def test_default_joins_the_running_cluster_and_local_forces_a_private_one(head):
+    env, port = head
+    joined = _driver(env)
+    assert joined["gcs"].endswith(f":{port}") and joined["cpus"] == 3
+    private = _driver(env, "local")
+    assert not private["gcs"].endswith(f":{port}") and private["cpus"] == 2
