@@ -196,3 +196,10 @@ class RunFolder:
         metrics["method"] = self.cfg.method.name
         metrics["budgets"] = [s.budget for s in stages]
         atomic_write(self.path / "results" / "metrics.json", json.dumps(metrics, indent=1))
+        if trained:  # plots and report.md, as a sweep has (a failure there never loses a committed stage)
+            from hamo_ray.evaluation.plots import write_run_report
+
+            try:
+                write_run_report(self.path)
+            except Exception:  # noqa: BLE001 - the report is a view of results already written
+                logger.warning("run report of %s failed", self.path, exc_info=True)

@@ -207,7 +207,10 @@ class Services:
 
         cfg, scfg = self.cfg, self.cfg.serve
         if self.owns_endpoint:  # before any app: the HTTP proxy takes serve.host:port
-            serve.start(http_options={"host": scfg.host, "port": scfg.port})
+            serve.start(
+                http_options={"host": scfg.host, "port": scfg.port},
+                logging_config={"enable_access_log": scfg.access_log},
+            )
         if self.harness:
             self._harness_app = f"{scfg.app_name}-harness{self._suffix()}"
             route = f"{scfg.route_prefix.rstrip('/')}/harness{self._suffix()}"
@@ -219,7 +222,13 @@ class Services:
                 max_request_bytes=scfg.max_request_bytes,
                 max_stage=self.max_stage,
             )
-            serve.run(app, name=self._harness_app, route_prefix=route, blocking=False)
+            serve.run(
+                app,
+                name=self._harness_app,
+                route_prefix=route,
+                blocking=False,
+                logging_config={"enable_access_log": scfg.access_log},
+            )
         url = self.shared_url or start_policy_server(
             model_path,
             cfg.model,
@@ -339,7 +348,10 @@ def start_shared_policy(cfg: HamoConfig, model_path: str, index: int) -> str:
     from hamo_ray.serving import start_policy_server
 
     scfg = shared_serve_cfg(cfg, index)
-    serve.start(http_options={"host": scfg.host, "port": scfg.port})
+    serve.start(
+        http_options={"host": scfg.host, "port": scfg.port},
+        logging_config={"enable_access_log": scfg.access_log},
+    )
     return start_policy_server(
         model_path,
         cfg.model,

@@ -12,6 +12,8 @@ A sweep file (YAML) names a base config and the grid::
       model: [embedded]                   # model.path values
       order: [[scienceworld]]             # cross_domain orders; [[d]] for a within-domain stream of d
       seed: [0, 1]
+      vary:                               # any dotted config key -> its values (optional)
+        train.lr: [2.0e-4, 2.0e-3]
 
 Cells that finished earlier are skipped (their run folder holds every stage); a killed sweep
 resumes each unfinished cell after its last committed stage. Cells sharing a backbone share one
@@ -42,6 +44,7 @@ class GridConfig(BaseModel):
     model: list[str] = Field(default_factory=lambda: ["embedded"])
     order: list[list[str]] = Field(default_factory=list)  # empty: the base config's own protocol
     seed: list[int] = Field(default_factory=lambda: [0])
+    vary: dict[str, list[Any]] = Field(default_factory=dict)  # any dotted key of HamoConfig -> its values
 
 
 class SweepConfig(BaseModel):
@@ -60,14 +63,22 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> tuple[SweepConfig
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"sweep file {str(p)!r} does not exist")
-    data = yaml.safe_load(p.read_text()) or {}
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"sweep file {str(p)!r} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"sweep file {str(p)!r} must hold a mapping at the top level")
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or key not in SweepConfig.model_fields:
             raise ConfigError(
                 f"sweep override {item!r}: expected one of {', '.join(SweepConfig.model_fields)}=value"
             )
-        data[key] = yaml.safe_load(raw)
+        try:
+            data[key] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            data[key] = raw
     try:
         sweep = SweepConfig.model_validate(data)
     except ValidationError as err:
@@ -90,9 +101,16 @@ def expand_cells(sweep: SweepConfig, base: Path) -> list[tuple[str, HamoConfig]]
     g = sweep.grid
     root = Path(sweep.root)
     orders: list[list[str] | None] = [list(o) for o in g.order] or [None]
+    keys = list(g.vary)
     cells = []
-    for method, model, order, seed in itertools.product(g.method, g.model, orders, g.seed):
+    for method, model, order, seed, *varied in itertools.product(
+        g.method, g.model, orders, g.seed, *(g.vary[k] for k in keys)
+    ):
         extra = [f"method.name={method}", f"model.path={model}", f"run.seed={seed}"]
+        extra += [f"{k}={json.dumps(v)}" for k, v in zip(keys, varied, strict=True)]
+        vary_tag = "".join(
+            f"-{k.rsplit('.', 1)[-1]}{_tag(str(v))}" for k, v in zip(keys, varied, strict=True)
+        )
         order_tag = "default"
         if order is not None:
             order_tag = "".join(d[0].upper() for d in order)
@@ -100,17 +118,26 @@ def expand_cells(sweep: SweepConfig, base: Path) -> list[tuple[str, HamoConfig]]
                 extra += ["protocol.kind=within_domain", f"env.domain={order[0]}"]
             else:
                 extra += ["protocol.kind=cross_domain", f"protocol.order=[{','.join(order)}]"]
-        name = f"{method}-{_tag(model)}-{order_tag}-s{seed}"
+        name = f"{method}-{_tag(model)}-{order_tag}{vary_tag}-s{seed}"
         cfg = load_config(base, [*sweep.overrides, *extra, f"run.root={root / 'cells'}", f"run.id={name}"])
         cells.append((name, cfg))
     return cells
 
 
-def setting_of(cfg: HamoConfig) -> str:
-    return f"{_tag(cfg.model.path)}: {'->'.join(cfg.domains())}"
+def setting_of(cfg: HamoConfig, vary: list[str] | tuple[str, ...] = ()) -> str:
+    """The group a cell's seeds are aggregated in: backbone, domain order and the varied keys' values."""
+    label = f"{_tag(cfg.model.path)}: {'->'.join(cfg.domains())}"
+    for key in vary:
+        value: Any = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        label += f", {key}={value}"
+    return label
 
 
-def aggregate(cells: list[tuple[str, HamoConfig]], out_dir: Path) -> dict[str, Any]:
+def aggregate(
+    cells: list[tuple[str, HamoConfig]], out_dir: Path, vary: list[str] | tuple[str, ...] = ()
+) -> dict[str, Any]:
     """Mean and 95% interval over seeds per (setting, method): summary.json, table.md and plots."""
     from hamo_ray.evaluation import plots
     from hamo_ray.evaluation.metrics import mean_interval
@@ -121,7 +148,7 @@ def aggregate(cells: list[tuple[str, HamoConfig]], out_dir: Path) -> dict[str, A
         if not f.exists():
             logger.warning("sweep: cell %s has no metrics yet; left out of the aggregate", name)
             continue
-        groups.setdefault(setting_of(cfg), {}).setdefault(cfg.method.name, []).append(
+        groups.setdefault(setting_of(cfg, vary), {}).setdefault(cfg.method.name, []).append(
             json.loads(f.read_text())
         )
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -141,13 +168,18 @@ def aggregate(cells: list[tuple[str, HamoConfig]], out_dir: Path) -> dict[str, A
             total = mean_interval([r["final_total"] for r in runs])
             forget = mean_interval([r["forgetting"].get(first, 0.0) for r in runs])
             stages = len(runs[0]["stage_scores"][domains[0]])
+            first_stage = 0 if runs[0].get("initial") else 1
+            before = (  # the evaluation before training (stage 0), when the runs made one
+                {d: [mean_interval([r["initial"][d] for r in runs])] for d in domains}
+                if first_stage == 0
+                else {d: [] for d in domains}
+            )
             curves[method] = {
-                d: [mean_interval([r["stage_scores"][d][t] for r in runs]) for t in range(stages)]
+                d: before[d] + [mean_interval([r["stage_scores"][d][t] for r in runs]) for t in range(stages)]
                 for d in domains
             }
             points = len(runs[0]["retention"])
             retention[method] = [mean_interval([r["retention"][i] for r in runs]) for i in range(points)]
-            first_stage = 0 if runs[0].get("initial") else 1
             summary[setting][method] = {
                 "seeds": len(runs),
                 "average": avg,
@@ -167,10 +199,13 @@ def aggregate(cells: list[tuple[str, HamoConfig]], out_dir: Path) -> dict[str, A
                 setting,
                 [
                     plots.stagewise(
-                        curves, out_dir / f"{tag}-stagewise.png", f"Stage-wise scores: {setting}"
+                        curves, out_dir / f"{tag}-stagewise.png", f"Stage-wise scores: {setting}", first_stage
                     ),
                     plots.domain_bars(
-                        curves, out_dir / f"{tag}-bars.png", f"Per domain after each stage: {setting}"
+                        curves,
+                        out_dir / f"{tag}-bars.png",
+                        f"Per domain after each stage: {setting}",
+                        first_stage,
                     ),
                     plots.retention(retention, out_dir / f"{tag}-retention.png", first, first_stage),
                 ],

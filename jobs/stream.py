@@ -16,6 +16,10 @@ inference prompt per domain with token counts, the resource plan; see hamo_ray/d
 
     python jobs/stream.py --config jobs/configs/paper-qwen3-8b-cross.yaml --dry-run
 
+Print the resolved config (defaults, the file's differences and the overrides, as one YAML)::
+
+    python jobs/stream.py --config jobs/configs/tiny.yaml train.epochs=1 --print-config
+
 Exit status 2: a configuration error or a missing data source, named on stderr.
 """
 
@@ -45,11 +49,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="check data sources, render one prompt per domain, plan resources; no GPU, no run",
     )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config (YAML) and exit"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=1")
     args = parser.parse_args(argv)
     setup_logging()
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            print(cfg.to_yaml(), end="")
+            return 0
         if args.dry_run:
             from hamo_ray.dryrun import dry_run
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
@@ -42,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", required=True, help="sweep YAML file")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print every cell's resolved config (YAML) and exit"
+    )
     parser.add_argument("overrides", nargs="*", help="sweep-level overrides, e.g. root=runs/x parallel=2")
     args = parser.parse_args(argv)
     setup_logging()
@@ -60,17 +64,26 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.print_config:  # every cell's resolved config, as one YAML document each
+        for name, cfg in cells:
+            print(f"--- # {name}\n{cfg.to_yaml()}", end="")
+        return 0
     todo = [name for name, _ in cells if not streams[name].finished]
     logger.info("sweep: %d cells, %d to run, %d finished", len(cells), len(todo), len(cells) - len(todo))
-    if todo:
-        run_cells(sweep, cells, streams, todo)
-    summary = aggregate(cells, Path(sweep.root) / "results")
+    failed = run_cells(sweep, cells, streams, todo) if todo else []
+    summary = aggregate(cells, Path(sweep.root) / "results", list(sweep.grid.vary))
     print((Path(sweep.root) / "results" / "table.md").read_text())
     print(f"report: {Path(sweep.root) / 'report.md'}")
-    return 0 if summary else 1
+    for name in failed:
+        print(
+            f"error: cell {name} failed; traceback in {streams[name].folder.path / 'error.txt'}",
+            file=sys.stderr,
+        )
+    return 1 if failed or not summary else 0
 
 
-def run_cells(sweep, cells, streams, todo) -> None:
+def run_cells(sweep, cells, streams, todo) -> list[str]:
+    """Run the cells; returns the names of those that failed (each with ``error.txt`` in its run folder)."""
     import ray
 
     from hamo_ray.runtime import start_shared_policy, stop_shared_policy
@@ -79,6 +92,7 @@ def run_cells(sweep, cells, streams, todo) -> None:
     servers: dict[str, str] = {}  # backbone path -> endpoint
     urls: dict[str, str] = {}  # cell -> endpoint
     first_cfg = cfgs[todo[0]]
+    failed: list[str] = []
     try:
         # One endpoint per backbone, shared by the cells that use it (adapters under root/cells).
         for name in todo:
@@ -106,10 +120,18 @@ def run_cells(sweep, cells, streams, todo) -> None:
                     ray.get(ref)
                     logger.info("sweep: cell %s finished", name)
                 except Exception as exc:  # a failed cell is reported; the others go on
-                    logger.error("sweep: cell %s failed: %s", name, exc)
+                    failed.append(name)
+                    folder = streams[name].folder.path
+                    folder.mkdir(parents=True, exist_ok=True)
+                    # A RayTaskError's text carries the remote traceback.
+                    (folder / "error.txt").write_text("".join(traceback.format_exception(exc)))
+                    logger.error(
+                        "sweep: cell %s failed (traceback in %s): %s", name, folder / "error.txt", exc
+                    )
     finally:
         for n in range(len(servers)):
             stop_shared_policy(first_cfg, n)
+    return failed
 
 
 def _custom(resources: dict[str, float]) -> dict[str, float]:

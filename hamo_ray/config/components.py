@@ -84,6 +84,9 @@ class TrainConfig(_Cfg):
     bf16: bool | None = None  # None: bf16 on GPU, float32 on CPU
     gradient_checkpointing: bool = False
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # multi-node
+    # Custom Ray resources each training worker needs (e.g. {"train_node": 0.01} for nodes started with
+    # --resources), to keep training on chosen nodes of a cluster.
+    resources: dict[str, float] = Field(default_factory=dict)
     grad_accum_steps: int = 1
     bucket_pool: int = 50  # length bucketing: sort pools of bucket_pool * batch_size examples by length
     # Padding-free packing: examples concatenated per micro-batch, attention kept within each example.
@@ -113,6 +116,7 @@ class ServeConfig(_Cfg):
     max_loras: int = 2
     max_lora_rank: int = 16  # the largest adapter rank the engine accepts (>= train.lora_r)
     max_num_seqs: int = 64
+    resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources per replica (placement)
     kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
     gpu_memory_utilization: float = 0.85
     enable_prefix_caching: bool = True
@@ -131,6 +135,9 @@ class ServeConfig(_Cfg):
     adapter_store: str | None = None
     poll_interval_s: float = 5.0  # jobs/serve.py: how often state.json is read for new stages
     harness_num_cpus: float = 0.25
+    access_log: bool = (
+        False  # Ray Serve's one line per request (proxy and replicas); off keeps job logs readable
+    )
     # More vllm.AsyncEngineArgs (e.g. {enforce_eager: true, max_num_batched_tokens: 8192}), merged
     # over the ones hamo_ray/serving/engine.py derives; an unknown name fails at engine start.
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -3,7 +3,10 @@
 - ``stagewise``: score per stage, one line per method (per domain) with the seed interval as a band
   (the paper's Figure 3);
 - ``domain_bars``: bars per domain after each stage, one bar per method (Figure 4);
-- ``retention``: the first domain's score over the stages, one line per method (Figure 7).
+- ``retention``: the first domain's score over the stages, one line per method (Figure 7);
+- ``write_run_report``: the three plots and ``report.md`` of one run folder, from its metrics.json.
+
+Stages are integers on every axis; stage 0 is the evaluation before any training, when a run made one.
 
 Every function takes ``curves``: ``{method: {domain: [summary per stage]}}`` where a summary is the
 ``mean_interval`` dict (``mean``, ``ci_low``, ``ci_high``), and writes one PNG.
@@ -25,6 +28,12 @@ def _plt():
     return plt
 
 
+def _integer_stages(ax) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _band(ax, xs, series, label):
     means = [s["mean"] for s in series]
     ax.plot(xs, means, marker="o", label=label)
@@ -34,7 +43,10 @@ def _band(ax, xs, series, label):
         ax.fill_between(xs, lows, highs, alpha=0.2)
 
 
-def stagewise(curves: Curves, path: str | Path, title: str = "Stage-wise scores") -> Path:
+def stagewise(
+    curves: Curves, path: str | Path, title: str = "Stage-wise scores", first_stage: int = 1
+) -> Path:
+    """Score per stage; ``first_stage`` is 0 when the curves start with the evaluation before training."""
     plt = _plt()
     domains = sorted({d for per in curves.values() for d in per})
     fig, axes = plt.subplots(1, len(domains), figsize=(5 * len(domains), 3.6), squeeze=False)
@@ -42,7 +54,8 @@ def stagewise(curves: Curves, path: str | Path, title: str = "Stage-wise scores"
         for method, per in sorted(curves.items()):
             if domain in per:
                 series = per[domain]
-                _band(ax, list(range(1, len(series) + 1)), series, method)
+                _band(ax, list(range(first_stage, first_stage + len(series))), series, method)
+        _integer_stages(ax)
         ax.set_title(domain)
         ax.set_xlabel("stage")
         ax.set_ylabel("score (0-100)")
@@ -55,7 +68,9 @@ def stagewise(curves: Curves, path: str | Path, title: str = "Stage-wise scores"
     return Path(path)
 
 
-def domain_bars(curves: Curves, path: str | Path, title: str = "Scores per domain after each stage") -> Path:
+def domain_bars(
+    curves: Curves, path: str | Path, title: str = "Scores per domain after each stage", first_stage: int = 1
+) -> Path:
     import numpy as np
 
     plt = _plt()
@@ -73,7 +88,8 @@ def domain_bars(curves: Curves, path: str | Path, title: str = "Scores per domai
             ]
             ax.bar(np.arange(len(domains)) + i * width, vals, width, label=method)
         ax.set_xticks(np.arange(len(domains)) + width * (len(methods) - 1) / 2, domains, fontsize=8)
-        ax.set_title(f"after stage {t + 1}")
+        stage = first_stage + t
+        ax.set_title("before training" if stage == 0 else f"after stage {stage}")
         ax.set_ylim(0, 100)
     axes[0][0].legend(fontsize=7)
     fig.suptitle(title)
@@ -89,6 +105,7 @@ def retention(curves: dict[str, list[dict]], path: str | Path, domain: str, firs
     fig, ax = plt.subplots(figsize=(5, 3.6))
     for method, series in sorted(curves.items()):
         _band(ax, list(range(first_stage, first_stage + len(series))), series, method)
+    _integer_stages(ax)
     ax.set_title(f"Retention of the first domain ({domain})")
     ax.set_xlabel("stage (0 = before training, when evaluated)")
     ax.set_ylabel("score (0-100)")
@@ -98,3 +115,57 @@ def retention(curves: dict[str, list[dict]], path: str | Path, domain: str, firs
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+def _num(value) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def write_run_report(run_dir: str | Path) -> Path:
+    """Plots and ``report.md`` of one run from its ``results/metrics.json`` (a sweep's report, for one run).
+
+    Returns:
+        The path of ``report.md``.
+    """
+    import json
+
+    from hamo_ray.evaluation.metrics import mean_interval
+
+    run_dir = Path(run_dir)
+    results = run_dir / "results"
+    m = json.loads((results / "metrics.json").read_text())
+    method = m.get("method", "run")
+    initial = m.get("initial") or {}
+    first_stage = 0 if initial else 1
+    domains = sorted(m["stage_scores"])
+    rows = {d: ([initial[d]] if initial else []) + list(m["stage_scores"][d]) for d in domains}
+    curves = {method: {d: [mean_interval([v]) for v in rows[d]] for d in domains}}
+    pngs = [
+        stagewise(curves, results / "stagewise.png", f"Stage-wise scores: {run_dir.name}", first_stage),
+        domain_bars(
+            curves, results / "bars.png", f"Per domain after each stage: {run_dir.name}", first_stage
+        ),
+        retention(
+            {method: [mean_interval([v]) for v in m["retention"]]},
+            results / "retention.png",
+            m["first_domain"],
+            first_stage,
+        ),
+    ]
+    stages = list(range(first_stage, first_stage + len(rows[domains[0]]))) if domains else []
+    lines = [f"# Run {run_dir.name} ({method})", "", "| stage | " + " | ".join(domains) + " |"]
+    lines.append("|---:|" + "---:|" * len(domains))
+    for i, stage in enumerate(stages):
+        cells = " | ".join("n/a" if rows[d][i] is None else f"{rows[d][i]:.2f}" for d in domains)
+        lines.append(f"| {stage} | {cells} |")
+    average = ", ".join(f"{d} {v:.2f}" for d, v in sorted(m["average"].items()) if v is not None)
+    lines += [
+        "",
+        f"Average over stages: {average}. Final total: {m['final_total']:.2f}. "
+        f"Backward transfer: {_num(m.get('backward_transfer'))}. Budgets: {m.get('budgets')}.",
+        "",
+    ]
+    lines += [f"![{png.stem}](results/{png.name})" for png in pngs] + [""]
+    report = run_dir / "report.md"
+    report.write_text("\n".join(lines))
+    return report

@@ -516,7 +516,11 @@ def build_app(
     deployment = PolicyServer.options(
         name="PolicyServer",
         num_replicas=serve_cfg.num_replicas,
-        ray_actor_options={"num_cpus": serve_cfg.num_cpus, "num_gpus": num_gpus},
+        ray_actor_options={
+            "num_cpus": serve_cfg.num_cpus,
+            "num_gpus": num_gpus,
+            "resources": dict(serve_cfg.resources),
+        },
         # vLLM batches and queues requests itself; let rollouts keep it full.
         max_ongoing_requests=max(8, 2 * serve_cfg.max_num_seqs),
         health_check_period_s=30,

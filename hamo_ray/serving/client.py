@@ -117,10 +117,19 @@ def start_policy_server(
     t0 = time.monotonic()
     if not is_uri(adapter_root):
         Path(adapter_root).expanduser().mkdir(parents=True, exist_ok=True)
-    serve.start(http_options={"host": serve_cfg.host, "port": serve_cfg.port})
+    serve.start(
+        http_options={"host": serve_cfg.host, "port": serve_cfg.port},
+        logging_config={"enable_access_log": serve_cfg.access_log},
+    )
     instance = uuid.uuid4().hex
     app = build_app(model_path, model_cfg, serve_cfg, adapter_root, max_lora_rank, instance)
-    serve.run(app, name=serve_cfg.app_name, route_prefix=serve_cfg.route_prefix, blocking=False)
+    serve.run(
+        app,
+        name=serve_cfg.app_name,
+        route_prefix=serve_cfg.route_prefix,
+        blocking=False,
+        logging_config={"enable_access_log": serve_cfg.access_log},
+    )
     url = base_url(_running_http(serve_cfg))
     wait_healthy(url, max(1.0, timeout_s - (time.monotonic() - t0)), instance, api_key=serve_cfg.api_key)
     logger.info("policy server %r healthy at %s after %.1fs", model_cfg.name, url, time.monotonic() - t0)

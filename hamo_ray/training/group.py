@@ -120,7 +120,7 @@ class TrainerGroup:
         start = time.perf_counter()
         self.key = self.key_of(tcfg)
         n = tcfg.num_workers
-        bundle = {"CPU": tcfg.cpus_per_worker, **({"GPU": 1} if tcfg.use_gpu else {})}
+        bundle = {"CPU": tcfg.cpus_per_worker, **({"GPU": 1} if tcfg.use_gpu else {}), **tcfg.resources}
         self.pg = placement_group(
             [dict(bundle) for _ in range(n)], strategy=tcfg.placement_strategy, name=name
         )
@@ -131,6 +131,7 @@ class TrainerGroup:
             actor.options(
                 num_cpus=tcfg.cpus_per_worker,
                 num_gpus=1 if tcfg.use_gpu else 0,
+                resources=dict(tcfg.resources),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
                 runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
             ).remote(i, n, tcfg.use_gpu, threads)
@@ -144,7 +145,8 @@ class TrainerGroup:
     @staticmethod
     def key_of(tcfg: TrainConfig) -> tuple:
         """What a group is built for; a config with another key needs another group."""
-        return (tcfg.num_workers, tcfg.use_gpu, tcfg.cpus_per_worker, tcfg.placement_strategy)
+        resources = tuple(sorted(tcfg.resources.items()))
+        return (tcfg.num_workers, tcfg.use_gpu, tcfg.cpus_per_worker, tcfg.placement_strategy, resources)
 
     def run(self, fn: str, job: dict[str, Any]) -> dict[str, Any]:
         """Run ``fn(worker, job)`` on every worker; rank 0's result (large values: ``ray.put`` refs)."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from hamo_ray.config import load_config
 from hamo_ray.stream import Stream
 
@@ -29,6 +31,7 @@ OVERRIDES = [
 ]
 
 
+@pytest.mark.slow  # ~3 min: bash scripts/test.sh -m slow tests/ray/test_eto_stream.py
 def test_eto_stream_trains_dpo_on_kept_workers(ray_session, tmp_path, caplog):
     cfg = load_config(
         "jobs/configs/tiny.yaml",

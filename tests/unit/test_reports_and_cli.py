@@ -1,0 +1,96 @@
+"""Per-run plots and report.md, sweeps over any dotted key, and the jobs' --print-config."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hamo_ray.config import ConfigError, load_config
+from hamo_ray.evaluation.metrics import summarize
+from hamo_ray.evaluation.plots import write_run_report
+from hamo_ray.sweep import expand_cells, load_sweep, setting_of
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_run_report_has_integer_stages_and_stage_zero(tmp_path):
+    scores = [{"scienceworld": 40.0, "alfworld": 10.0}, {"scienceworld": 35.0, "alfworld": 30.0}]
+    metrics = summarize(scores, ["scienceworld", "alfworld"], {"scienceworld": 20.0, "alfworld": 5.0})
+    metrics["method"] = "hamo"
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "metrics.json").write_text(json.dumps(metrics))
+    report = write_run_report(tmp_path).read_text()
+    rows = [line for line in report.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [r.split("|")[1].strip() for r in rows] == ["0", "1", "2"]  # stage 0 = before training
+    assert "| 1 | 10.00 | 40.00 |" in report  # domains sorted: alfworld, scienceworld
+    for png in ("stagewise.png", "bars.png", "retention.png"):
+        assert (tmp_path / "results" / png).stat().st_size > 5_000
+        assert f"(results/{png})" in report
+
+
+def test_sweep_varies_any_dotted_key(tmp_path):
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(
+        yaml.safe_dump(
+            {
+                "base": str(ROOT / "jobs" / "configs" / "tiny.yaml"),
+                "root": str(tmp_path / "runs"),
+                "grid": {"method": ["hamo"], "seed": [0, 1], "vary": {"train.lr": [0.0002, 0.002]}},
+            }
+        )
+    )
+    sweep, base = load_sweep(sweep_file)
+    cells = expand_cells(sweep, base)
+    assert len(cells) == 4
+    assert sorted({cfg.train.lr for _, cfg in cells}) == [0.0002, 0.002]
+    assert len({name for name, _ in cells}) == 4 and all("-lr" in name for name, _ in cells)
+    settings = {setting_of(cfg, ["train.lr"]) for _, cfg in cells}
+    assert len(settings) == 2 and all("train.lr=" in s for s in settings)  # seeds pooled per lr
+
+    sweep_file.write_text(yaml.safe_dump({"base": str(base), "grid": {"vary": {"train.nope": [1]}}}))
+    with pytest.raises(ConfigError, match="train.nope"):
+        expand_cells(*load_sweep(sweep_file))
+    sweep_file.write_text("base: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_sweep(sweep_file)
+
+
+def test_print_config_prints_the_resolved_config():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "jobs/stream.py",
+            "--config",
+            "jobs/configs/tiny.yaml",
+            "train.epochs=1",
+            "--print-config",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout)
+    expected = load_config(ROOT / "jobs" / "configs" / "tiny.yaml", ["train.epochs=1"])
+    assert printed == expected.model_dump(mode="json")
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "jobs/stream.py",
+            "--config",
+            "jobs/configs/tiny.yaml",
+            "train.nope=1",
+            "--print-config",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "train.nope" in bad.stderr and "Traceback" not in bad.stderr
