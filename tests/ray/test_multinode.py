@@ -53,7 +53,8 @@ def _free_port() -> int:
 def _node_ports() -> list[str]:
     """Ports that must differ between Ray nodes sharing one machine."""
     names = ["dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port"]
-    return [f"--{name}={_free_port()}" for name in names] + [f"--runtime-env-agent-port={_free_port()}"]
+    ports = [f"--{name}={_free_port()}" for name in names] + [f"--runtime-env-agent-port={_free_port()}"]
+    return [*ports, "--object-store-memory=300000000"]  # five nodes' default stores would not fit in /dev/shm
 
 
 def _ray(env: dict, *args: str, timeout: float = 120) -> str:
@@ -90,24 +91,32 @@ def test_stream_across_nodes_survives_a_lost_rollout_node(tmp_path):
              "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", *_node_ports()],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
-        time.sleep(15)  # the head's GCS before the workers join
-        for name, (resource, cpus) in roles.items():
+        address = f"http://127.0.0.1:{dash}"
+
+        def alive() -> list[dict]:
+            try:
+                nodes = _json(_ray(env, "list", "nodes", "--address", address, "--format", "json"))
+            except (AssertionError, ValueError):  # the dashboard is not up yet
+                return []
+            return [n for n in nodes if n["state"] == "ALIVE"]
+
+        def wait_for(count: int) -> list[dict]:
+            deadline = time.time() + 180
+            while time.time() < deadline:
+                if len(nodes := alive()) >= count:
+                    return nodes
+                time.sleep(2)
+            raise AssertionError(f"only {len(alive())} of {count} Ray nodes came up")
+
+        wait_for(1)
+        # One node at a time: raylets started together on one machine time out during start-up.
+        for n, (name, (resource, cpus)) in enumerate(roles.items(), start=2):
             procs[name] = subprocess.Popen(
                 [RAY, "start", f"--address=127.0.0.1:{gcs}", f"--num-cpus={cpus}", "--block",
                  f"--resources={json.dumps({resource: 1, f'node_{name}': 1})}", *_node_ports()],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
-        address = f"http://127.0.0.1:{dash}"
-        deadline = time.time() + 180
-        nodes: list[dict] = []
-        while time.time() < deadline:
-            try:
-                nodes = _json(_ray(env, "list", "nodes", "--address", address, "--format", "json"))
-            except (AssertionError, ValueError):  # the dashboard is not up yet
-                nodes = []
-            if sum(n["state"] == "ALIVE" for n in nodes) == 5:
-                break
-            time.sleep(3)
+            nodes = wait_for(n)
         node_of = {  # role -> node id, by each node's own marker resource
             name: next(n["node_id"] for n in nodes if f"node_{name}" in n.get("resources_total", {}))
             for name in roles

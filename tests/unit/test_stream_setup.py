@@ -97,7 +97,9 @@ def test_constructor_only_validates(tmp_path):
         "env.task_types=[pick_and_place_simple]",
         "run.id=lazy",
     )
+    ray_before = ray.is_initialized()  # the whole suite's tests/ray session may already hold one
     stream = Stream(cfg)
-    assert not games.exists() and not (tmp_path / "lazy").exists() and not ray.is_initialized()
+    assert not games.exists() and not (tmp_path / "lazy").exists()
+    assert ray.is_initialized() == ray_before  # the constructor starts no Ray
     assert "stage_tasks" not in vars(stream) and "test_tasks" not in vars(stream)
     assert stream.stage_domains == ["alfworld", "alfworld"] and stream.expected_stages == [1, 2]
