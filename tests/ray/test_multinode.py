@@ -60,7 +60,7 @@ def _node_ports() -> list[str]:
 def _ray(env: dict, *args: str, timeout: float = 120) -> str:
     out = subprocess.run([RAY, *args], env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, f"ray {' '.join(args)}: {out.stderr[-2000:]}"
-    return out.stdout
+    return out.stdout + out.stderr  # the job commands print their status and logs through Ray's CLI logger
 
 
 def _json(text: str):
@@ -123,7 +123,7 @@ def test_stream_across_nodes_survives_a_lost_rollout_node(tmp_path):
         }
         root = tmp_path / "runs"
         entry = [sys.executable, "jobs/stream.py", "--config", "jobs/configs/tiny.yaml",
-                 *[f"'{o}'" for o in OVERRIDES], f"run.root={root}", "run.id=mn",
+                 *OVERRIDES, f"run.root={root}", "run.id=mn",
                  f"backbone.cache_dir={tmp_path / 'backbones'}"]  # fmt: skip
         runtime_env = {"working_dir": str(ROOT), "excludes": [".venv", "runs", ".gpu", "benchmarks/results"]}
         submitted = _ray(env, "job", "submit", "--address", address, "--no-wait",
