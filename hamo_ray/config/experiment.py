@@ -48,7 +48,7 @@ class MethodConfig(_Cfg):
     conditioning: bool | None = None  # inject retrieved cards in training examples
     selection: bool | None = None  # coverage selection (else all stage trajectories are anchors)
     replay: bool | None = None  # replay earlier stages' training data
-    release: bool | None = None  # METHOD.md step 6: mark internalised cards released after training
+    release: bool | None = None  # docs/method.md step 6: mark internalised cards released after training
     dpo: bool | None = None  # ETO: exploration rollouts + DPO on failure/success pairs after BC
 
     _PRESETS = {

@@ -4,7 +4,7 @@ One example per action ``a_k`` of a trajectory: the messages that the policy wou
 before acting (``hamo_ray.prompting.build_messages``: goal, initial observation, injected
 experience ``E_i``, the last turns ``h_k``) and the action as the target. The loss covers the
 action tokens only, so summing over the examples of a trajectory gives
-``sum_k log pi(a_k | g, o0, h_k, E)`` of METHOD.md step 4.
+``sum_k log pi(a_k | g, o0, h_k, E)`` of docs/method.md step 4.
 """
 
 from __future__ import annotations

@@ -141,3 +141,11 @@ def test_run_folder_has_tensorboard_events(finished_run):
     )
     assert [v for _, v in scalars["memory/cards"]] == [r.num_cards for r in results]
     assert "seconds/train" in scalars and "stage/budget" in scalars
+
+
+def test_run_folder_has_plots_and_report(finished_run):
+    _, run, results = finished_run
+    report = (run / "report.md").read_text()
+    for png in ("stagewise.png", "bars.png", "retention.png"):
+        assert (run / "results" / png).stat().st_size > 5_000 and f"results/{png}" in report
+    assert all(f"| {r.stage} |" in report for r in results)
