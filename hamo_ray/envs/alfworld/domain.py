@@ -258,9 +258,9 @@ class AlfWorldEnv:
         if self._task is None or self._game_file is None:
             raise RuntimeError("AlfWorldEnv.expert_actions() before reset()")
         if self._walkthrough is None:
-            from hamo_ray.envs.alfworld.generate import _sub_seed, play_expert
+            from hamo_ray.envs.alfworld.generate import play_expert, sub_seed
 
-            plan = play_expert(str(self._game_file), "handcoded", seed=_sub_seed(self._task.id))
+            plan = play_expert(str(self._game_file), "handcoded", seed=sub_seed(self._task.id))
             if plan is None:
                 plan = play_expert(str(self._game_file), "planner") or []
             self._walkthrough = plan

@@ -106,7 +106,8 @@ def pddl_name(alfred_id: str) -> str:
     return alfred_id
 
 
-def _sub_seed(*parts: object) -> int:
+def sub_seed(*parts: object) -> int:
+    """A stable 64-bit seed derived from ``parts`` (the same on every machine and Python run)."""
     return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "big")
 
 
@@ -415,7 +416,7 @@ def generate_game(
     split_dir = root / "json_2.1.1" / SPLIT_DIRS[split]
     split_dir.mkdir(parents=True, exist_ok=True)
     for attempt in range(MAX_ATTEMPTS):
-        base = _sub_seed(GENERATOR_VERSION, seed, split, task_type, variation, attempt)
+        base = sub_seed(GENERATOR_VERSION, seed, split, task_type, variation, attempt)
         rng = random.Random(base)
         scene = rng.choice(scenes)
         built = build_problem(task_type, scene, rng)
