@@ -30,7 +30,7 @@ from common import Results, add_json_argument  # noqa: E402
 from hamo_ray.config import EnvConfig, ModelConfig, PromptConfig, RolloutConfig, ServeConfig  # noqa: E402
 from hamo_ray.envs import get_domain  # noqa: E402
 from hamo_ray.prompting import build_messages, clean_action  # noqa: E402
-from hamo_ray.rollout.policy import PolicySpec  # noqa: E402
+from hamo_ray.rollout.client import PolicySpec  # noqa: E402
 
 
 def sequential(domain, tasks, spec: PolicySpec, pcfg: PromptConfig, max_turns: int):

@@ -35,8 +35,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from hamo_ray.config import ConfigError, HamoConfig, RayConfig
-from hamo_ray.rollout.policy import PolicySpec
-from hamo_ray.run_state import RunFolder
+from hamo_ray.rollout.client import PolicySpec
+from hamo_ray.run_folder import RunFolder
 
 logger = logging.getLogger(__name__)
 

@@ -174,11 +174,17 @@ def _blocked_topk(x: np.ndarray, k: int, batch_size: int) -> np.ndarray:
     """
     import torch
 
+    from hamo_ray.logs import Progress
+
     n, m = x.shape[0], k + 1
     t = torch.from_numpy(x)
     best_s = torch.full((n, m), -float("inf"))
     best_i = torch.full((n, m), n, dtype=torch.int64)  # index n: "none yet", sorts after any real one
     starts = list(range(0, n, batch_size))
+    # Row block a multiplies with the blocks from a on: the pairs left shrink, so progress counts pairs.
+    progress = Progress(
+        len(starts) * (len(starts) + 1) // 2, f"select: {n} cards' neighbours", "block", logger
+    )
     for bi, a in enumerate(starts):
         a_end = min(a + batch_size, n)
         rows_a = torch.arange(a, a_end)
@@ -190,6 +196,8 @@ def _blocked_topk(x: np.ndarray, k: int, batch_size: int) -> np.ndarray:
             _update_topk(best_s, best_i, rows_a, sims, b, torch, dim=0)
             if a != b:
                 _update_topk(best_s, best_i, torch.arange(b, b_end), sims, a, torch, dim=1)
+        progress.update(len(starts) - bi)
+    progress.close()
     out = best_i[:, :k].numpy().copy()
     # topk may cut a run of equal similarities anywhere: when the k-th and (k+1)-th kept values are
     # equal, a smaller tied index may have been dropped; those rows are recomputed exactly.

@@ -14,11 +14,12 @@ rollout pools::
 from __future__ import annotations
 
 import logging
+import math
 
 from hamo_ray.config import HamoConfig
 from hamo_ray.memory.pipeline import add_stage_cards
-from hamo_ray.rollout.policy import PolicySpec
-from hamo_ray.run_state import PhaseClock, RunFolder
+from hamo_ray.rollout.client import PolicySpec
+from hamo_ray.run_folder import PhaseClock, RunFolder
 from hamo_ray.selection import sample_replay, select_anchors
 from hamo_ray.types import StageResult, TaskSpec, Trajectory
 
@@ -97,7 +98,8 @@ def select(cfg: HamoConfig, trajs: list[Trajectory], store) -> tuple[list[Trajec
     """Stage step 3: anchors by retrieval coverage over the stage's cards (all, without selection)."""
     sc, use = cfg.selection, cfg.method.selection and store is not None
     vectors = store.vectors([t.card_id for t in trajs]) if use else None
-    return select_anchors(trajs, vectors, sc.k, sc.min_budget, sc.batch_size)
+    floor = max(sc.min_budget, math.ceil(sc.min_fraction * len(trajs)))
+    return select_anchors(trajs, vectors, sc.k, floor, sc.batch_size)
 
 
 def replay(

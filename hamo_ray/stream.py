@@ -26,7 +26,7 @@ from pathlib import Path
 
 from hamo_ray.config import ConfigError, HamoConfig
 from hamo_ray.memory.pipeline import release_internalised, training_experience
-from hamo_ray.run_state import PhaseClock, RunFolder
+from hamo_ray.run_folder import PhaseClock, RunFolder
 from hamo_ray.runtime import Endpoint, Services, start_ray
 from hamo_ray.steps import (
     EnvPools,
@@ -87,6 +87,7 @@ class Stream:
         self.services: Services | None = None  # set in run(): the Serve apps beside the stream
         self.endpoint: Endpoint | None = None
         self.model_path = ""
+        self.tracker = None  # set in run(): per-stage and per-training-step scalars (hamo_ray.tracking)
 
     @cached_property
     def stage_tasks(self) -> list[list[TaskSpec]]:
@@ -135,6 +136,7 @@ class Stream:
         from hamo_ray.tracking import Tracker, stage_scalars
 
         tracker = Tracker(self.folder.path, self.cfg.run.tracking, "stream", self.cfg.model_dump(mode="json"))
+        self.tracker = tracker
         start_ray(self.cfg.ray)
         self.services = Services(
             self.cfg, self.folder, self.cfg.method.uses_memory, shared_url=base_url, run_id=self.run_id
@@ -253,6 +255,7 @@ class Stream:
             pad_id=tokenizer.pad_token_id, init_adapter=str(prev) if prev else None, seed=cfg.run.seed + stage,
             name=f"stage-{stage}", group=group_for(self, cfg.train),
         )  # fmt: skip
+        self.tracker.log_steps(result.step_metrics, "train")  # numbered on from earlier stages
         logger.info(
             "train: losses %s, %d tokens in %.0fs (+%.1fs start-up)",
             [round(x, 3) for x in result.losses], result.tokens, result.seconds, result.startup_s,
@@ -285,6 +288,7 @@ class Stream:
             self.folder.path / "train", pad_id=tokenizer.pad_token_id, seed=cfg.run.seed + stage,
             name=f"stage-{stage}-dpo", group=group_for(self, cfg.train),
         )  # fmt: skip
+        self.tracker.log_steps(result.step_metrics, "dpo")
         name = self.services.adapter_name(stage)
         self.services.publish(name, rel)
         return rel, name, result.loss

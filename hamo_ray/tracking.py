@@ -1,8 +1,10 @@
 """Experiment tracking: TensorBoard event files in every run folder, Weights & Biases or MLflow as a setting.
 
-One ``Tracker`` per process that has something to record: the stream (per-stage scores, budgets, phase
-timings, memory size) and rank 0 of the training workers (per-step loss, learning rate, tokens/s). All
-write under ``<run folder>/tensorboard/``, so one command shows every run of a root::
+The stream's ``Tracker`` records per-stage scores, budgets, phase timings and memory size (step = the
+stage), and every training step (loss, learning rate, tokens/s, which rank 0 of the training workers
+returns with the stage's result: ``train/*``, ``dpo/*`` for ETO's DPO), numbered on across stages so
+stage k's steps follow stage k-1's. Everything goes under ``<run folder>/tensorboard/``, so one command
+shows every run of a root::
 
     tensorboard --logdir runs/
 
@@ -12,7 +14,8 @@ run under the run folder unless ``WANDB_MODE`` says otherwise, MLflow a file sto
 ``MLFLOW_TRACKING_URI`` is set)::
 
     tracker = Tracker(run_dir, ["tensorboard"], name="stage")
-    tracker.log({"train/loss": 1.9, "train/lr": 2e-4}, step=12)
+    tracker.log({"score/alfworld": 41.0}, step=1)
+    tracker.log_steps([{"loss": 1.9, "lr": 2e-4, "tokens_per_s": 5100.0}, ...])   # train/loss, ...
     tracker.close()
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -68,10 +72,19 @@ class Tracker:
         self.run_dir = Path(run_dir)
         self.backends = tuple(backends)
         self._tb = self._wandb = self._mlflow = None
+        self._next_step: dict[str, int] = {}  # section -> the next global training step
         if "tensorboard" in backends:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard" / name), flush_secs=10)
+            folder = self.run_dir / "tensorboard" / name
+            if folder.is_dir():  # a resumed run: its training steps number on from the recorded ones
+                for tag, points in read_scalars(folder).items():
+                    section, _, key = tag.partition("/")
+                    if key == "loss" and points:
+                        self._next_step[section] = max(s for s, _ in points) + 1
+            # Event file names hold the second they were made: a suffix keeps a quick resume's file apart.
+            suffix = f".{os.getpid()}.{uuid.uuid4().hex[:8]}"
+            self._tb = SummaryWriter(str(folder), flush_secs=10, filename_suffix=suffix)
         if "wandb" in backends:
             import wandb
 
@@ -83,6 +96,13 @@ class Tracker:
                 config=config or {},
                 reinit=True,
             )
+            # W&B wants one increasing step per run: each section gets its own x axis instead.
+            self._wandb.define_metric("stage")
+            for prefix in ("score", "seconds", "stage", "memory"):
+                self._wandb.define_metric(f"{prefix}/*", step_metric="stage")
+            for section in ("train", "dpo"):
+                self._wandb.define_metric(f"{section}/step")
+                self._wandb.define_metric(f"{section}/*", step_metric=f"{section}/step")
         if "mlflow" in backends:
             import mlflow
 
@@ -93,18 +113,37 @@ class Tracker:
             if config:
                 mlflow.log_params(_flatten(config))
 
-    def log(self, values: dict[str, float], step: int) -> None:
-        """Record ``values`` (``"section/name" -> number``) at ``step``; non-finite numbers are kept as is."""
+    def log(self, values: dict[str, float], step: int, axis: str = "stage") -> None:
+        """Record ``values`` (``"section/name" -> number``) at ``step``; non-finite numbers are kept as is.
+
+        Args:
+            values: the scalars.
+            step: their x value (the stage, or the global training step).
+            axis: what ``step`` counts (``stage``, ``train/step``); W&B plots each section on its axis.
+        """
         values = {k: float(v) for k, v in values.items() if v is not None}
         if self._tb is not None:
             for key, value in values.items():
                 self._tb.add_scalar(key, value, step)
         if self._wandb is not None:
-            self._wandb.log(values, step=step)
+            self._wandb.log({**values, axis: step})
         if self._mlflow is not None:
             import mlflow
 
             mlflow.log_metrics({k.replace("/", "."): v for k, v in values.items()}, step=step)
+
+    def log_steps(self, rows: list[dict[str, float]], section: str = "train") -> None:
+        """Record a stage's training steps as ``<section>/<key>``, numbered on from the earlier stages.
+
+        Args:
+            rows: one dict per optimizer step (``TrainResult.step_metrics``: loss, lr, tokens_per_s).
+            section: ``train`` (behavioural cloning) or ``dpo`` (ETO); each has its own step count.
+        """
+        step = self._next_step.get(section, 0)
+        for row in rows:
+            self.log({f"{section}/{k}": v for k, v in row.items()}, step=step, axis=f"{section}/step")
+            step += 1
+        self._next_step[section] = step
 
     def flush(self) -> None:
         if self._tb is not None:
@@ -132,7 +171,7 @@ def stage_scalars(result) -> dict[str, float]:
     values["stage/trajectories"] = result.num_trajectories
     values["memory/cards"] = result.num_cards
     if result.train_loss is not None:
-        values["train/stage_loss"] = result.train_loss
+        values["stage/train_loss"] = result.train_loss
     return values
 
 

@@ -19,6 +19,13 @@ stages 1..t only and retrieves only their cards. The harness answers ``POST /har
 a client builds HaMo's prompt from the cards with ``hamo_ray.prompting.build_messages`` (the
 function training uses), as the rollout workers do. The API key comes from ``--api-key``, else ``HAMO_API_KEY``, else
 ``serve.api_key``; dotted overrides apply to the run's config.yaml (e.g. ``serve.num_replicas=2``).
+
+Print the resolved config (the run's config.yaml, the overrides and the flags; the API key shown
+as ``***``) and exit, starting nothing::
+
+    python jobs/serve.py --run runs/tiny-hamo-s0 --port 9000 serve.num_replicas=2 --print-config
+
+Exit status 2: not a run folder, a bad override or an uncommitted ``--stage``, named on stderr.
 """
 
 from __future__ import annotations
@@ -71,7 +78,7 @@ def _model_path(cfg: HamoConfig, run: Path) -> str:
 
 def run_services(run: Path, cfg: HamoConfig, max_stage: int | None):
     """The ``Services`` that serve ``run``: with the harness when the run has a memory."""
-    from hamo_ray.run_state import RunFolder
+    from hamo_ray.run_folder import RunFolder
     from hamo_ray.runtime import Services
 
     folder = RunFolder(run, cfg)
@@ -93,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         "--api-key", help="bearer key for every route (default: $HAMO_API_KEY, serve.api_key)"
     )
     parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (YAML; the API key as ***) and exit",
+    )
+    parser.add_argument(
         "overrides", nargs="*", help="dotted overrides of the run's config, e.g. serve.num_replicas=2"
     )
     args = parser.parse_args(argv)
@@ -105,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         update = {"api_key": args.api_key or os.environ.get("HAMO_API_KEY") or cfg.serve.api_key}
         update |= {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
         cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update=update)})
+        if args.print_config:  # a secret never goes to a terminal or a job log
+            shown = {"api_key": "***"} if cfg.serve.api_key else {}
+            print(cfg.model_copy(update={"serve": cfg.serve.model_copy(update=shown)}).to_yaml(), end="")
+            return 0
         services = run_services(run, cfg, args.stage)
         committed = {s.stage for s in services.folder.stages()}
         if args.stage is not None and args.stage not in committed:

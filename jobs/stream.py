@@ -6,10 +6,13 @@ On this machine (starts a local Ray)::
 
 Against a running cluster (``ray start --head`` or ``ray up cluster.yaml``)::
 
-    ray job submit --working-dir . -- python jobs/stream.py --config jobs/configs/tiny.yaml
+    ray job submit --working-dir . -- python jobs/stream.py --config jobs/configs/tiny.yaml \
+        run.root=/mnt/shared/hamo/runs
 
-The run folder is ``run.root/run.id`` (see hamo_ray/run_state.py); resubmitting the same command
-resumes after the last committed stage.
+The run folder is ``run.root/run.id`` (see hamo_ray/run_folder.py); resubmitting the same command
+resumes after the last committed stage. In a job submitted with a working_dir, ``run.root`` must be
+absolute (a folder every node sees): a relative one would resolve inside Ray's temporary copy of the
+working_dir on the head node, so the job refuses it (exit status 2).
 
 Check a config first, without a GPU or a run (data sources, one rendered training example and
 inference prompt per domain with token counts, the resource plan; see hamo_ray/dryrun.py)::
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -37,6 +41,32 @@ from hamo_ray.config import ConfigError, load_config  # noqa: E402
 from hamo_ray.logs import setup_logging  # noqa: E402
 
 logger = logging.getLogger("hamo_ray.jobs.stream")
+
+
+def job_working_dir() -> str | None:
+    """The runtime_env ``working_dir`` of the Ray job this driver runs in (``ray job submit``), else None."""
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")  # what Ray's job supervisor gives its driver
+    try:
+        return (json.loads(raw)["runtime_env"].get("working_dir") or None) if raw else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def check_cluster_paths(root: str) -> None:
+    """Refuse a relative ``run.root`` in a job with a working_dir.
+
+    The driver's cwd is then Ray's copy of the working_dir inside the head node's Ray session folder:
+    a run folder there is seen by no other node (Serve replicas load adapters from it), is deleted
+    with the session and is not found by a resubmission with changed code (a new copy).
+
+    Raises:
+        ConfigError: naming ``run.root``.
+    """
+    if not Path(root).expanduser().is_absolute() and job_working_dir():
+        raise ConfigError(
+            f"run.root: {root!r} is relative, and this job runs in Ray's temporary copy of its working_dir "
+            "on the head node; give a folder every node sees, e.g. run.root=/mnt/shared/hamo/runs"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from hamo_ray.stream import Stream
 
+        check_cluster_paths(cfg.run.root)
         stream = Stream(cfg, config_name=Path(args.config).stem if args.config else "run")
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -10,6 +10,11 @@ Against a cluster::
 
 Finished cells are skipped; resubmitting a killed sweep resumes it. Results: ``<root>/results/``
 (summary.json, table.md, plots) and ``<root>/report.md``. See hamo_ray/sweep.py for the file format.
+
+A cell that fails (its backbone, its endpoint or its stream raises) leaves its traceback in its run
+folder (``<root>/cells/<cell>/error.txt``) and the other cells go on; the sweep then exits 1, naming
+the failed cells on stderr. ``--print-config`` prints every cell's resolved config and exits.
+Exit status 2: a configuration error in the sweep file or any cell, before any work.
 """
 
 from __future__ import annotations
@@ -83,7 +88,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_cells(sweep, cells, streams, todo) -> list[str]:
-    """Run the cells; returns the names of those that failed (each with ``error.txt`` in its run folder)."""
+    """Run the cells; returns the names of those that failed (each with ``error.txt`` in its run folder).
+
+    A cell fails alone: when its backbone cannot be built, its endpoint cannot start or its stream
+    raises, its traceback goes to ``<cell>/error.txt`` and the other cells go on.
+    """
     import ray
 
     from hamo_ray.runtime import start_shared_policy, stop_shared_policy
@@ -93,20 +102,25 @@ def run_cells(sweep, cells, streams, todo) -> list[str]:
     urls: dict[str, str] = {}  # cell -> endpoint
     first_cfg = cfgs[todo[0]]
     failed: list[str] = []
+    started = 0  # endpoints asked for (a failed start may leave a partial one to stop)
     try:
         # One endpoint per backbone, shared by the cells that use it (adapters under root/cells).
         for name in todo:
-            path = streams[name].prepare_backbone()
-            if path not in servers:
-                servers[path] = start_shared_policy(cfgs[name], path, len(servers))
-            urls[name] = servers[path]
+            try:
+                path = streams[name].prepare_backbone()
+                if path not in servers:
+                    started += 1
+                    servers[path] = start_shared_policy(cfgs[name], path, started - 1)
+                urls[name] = servers[path]
+            except Exception as exc:  # this cell cannot start; the others go on
+                _record_failure(name, streams[name].folder.path, exc, failed)
         task = ray.remote(run_cell).options(
             resources=_custom(sweep.cell_resources),
             num_cpus=sweep.cell_resources.get("CPU", 0),
             num_gpus=sweep.cell_resources.get("GPU", 0),
         )
         pending: dict = {}
-        queue = list(todo)
+        queue = [name for name in todo if name in urls]
         while queue or pending:
             while queue and len(pending) < sweep.parallel:
                 name = queue.pop(0)
@@ -118,20 +132,27 @@ def run_cells(sweep, cells, streams, todo) -> list[str]:
                 name = pending.pop(ref)
                 try:
                     ray.get(ref)
+                    (streams[name].folder.path / "error.txt").unlink(missing_ok=True)  # an earlier try's
                     logger.info("sweep: cell %s finished", name)
                 except Exception as exc:  # a failed cell is reported; the others go on
-                    failed.append(name)
-                    folder = streams[name].folder.path
-                    folder.mkdir(parents=True, exist_ok=True)
-                    # A RayTaskError's text carries the remote traceback.
-                    (folder / "error.txt").write_text("".join(traceback.format_exception(exc)))
-                    logger.error(
-                        "sweep: cell %s failed (traceback in %s): %s", name, folder / "error.txt", exc
-                    )
+                    _record_failure(name, streams[name].folder.path, exc, failed)
     finally:
-        for n in range(len(servers)):
-            stop_shared_policy(first_cfg, n)
+        for n in range(started):
+            try:
+                stop_shared_policy(first_cfg, n)
+            except Exception as exc:  # e.g. an endpoint that never came up
+                logger.warning("sweep: stopping shared endpoint %d: %s", n, exc)
     return failed
+
+
+def _record_failure(name: str, folder: Path, exc: BaseException, failed: list[str]) -> None:
+    """Note a failed cell and write its traceback (a RayTaskError's text carries the remote one)."""
+    failed.append(name)
+    folder.mkdir(parents=True, exist_ok=True)
+    text = "".join(traceback.format_exception(exc))
+    (folder / "error.txt").write_text(text)
+    last = [line for line in text.splitlines() if line.strip()][-1].strip()  # "KeyError: 'x'"
+    logger.error("sweep: cell %s failed: %s (traceback in %s)", name, last, folder / "error.txt")
 
 
 def _custom(resources: dict[str, float]) -> dict[str, float]:

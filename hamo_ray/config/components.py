@@ -54,6 +54,10 @@ class MemoryConfig(_Cfg):
 class SelectionConfig(_Cfg):
     k: int = 3  # leave-one-out neighbours per card
     min_budget: int = 1
+    # A floor on the budget as a share of the stage's trajectories: ceil(min_fraction * n) anchors at
+    # least. 0 keeps the paper's rule (the knee alone). The knee of a small stage is tiny (2 of 16 on the
+    # embedded default), so small experiments set a floor; the paper does not report its budgets.
+    min_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
     batch_size: int = 2048  # query rows per similarity block: memory O(batch_size * n)
 
 

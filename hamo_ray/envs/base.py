@@ -15,12 +15,15 @@ Register a new domain with ``@register_domain("name")`` on a ``Domain`` subclass
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from hamo_ray.config import ConfigError, EnvConfig
 from hamo_ray.types import TaskSpec
+
+SPLITS = ("train", "dev", "test")  # every domain's splits, in this order
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,8 @@ class Env(Protocol):
         """Release the environment's process/resources."""
 
 
-class Domain:
-    """A family of tasks with splits; subclasses make the environments."""
+class Domain(ABC):
+    """A family of tasks with splits; subclasses list the task types and tasks and make the environments."""
 
     name: str = ""
     env_memory_mb: int = 200  # resource hint: memory of one environment (rollout actors reserve it)
@@ -59,17 +62,29 @@ class Domain:
     def __init__(self, cfg: EnvConfig) -> None:
         self.cfg = cfg
 
+    @abstractmethod
     def task_types(self) -> list[str]:
-        raise NotImplementedError
+        """The domain's task type names."""
 
+    @abstractmethod
     def tasks(self, split: str, task_type: str, limit: int | None = None) -> list[TaskSpec]:
-        """Tasks of one type from one split, in the split's canonical order."""
-        raise NotImplementedError
+        """Tasks of one type from one split, in the split's canonical order.
 
+        Raises:
+            ConfigError: an unknown split or task type, naming it.
+        """
+
+    @abstractmethod
     def make_env(self) -> Env:
-        raise NotImplementedError
+        """A new environment (its own process or simulator where the domain needs one)."""
+
+    def check_split(self, split: str) -> None:
+        """Raise a ``ConfigError`` naming ``split`` unless it is one of ``SPLITS``."""
+        if split not in SPLITS:
+            raise ConfigError(f"unknown {self.name} split {split!r}; known: {', '.join(SPLITS)}")
 
     def check_task_types(self, task_types: list[str]) -> None:
+        """Raise a ``ConfigError`` naming ``env.task_types`` if any of ``task_types`` is unknown."""
         known = self.task_types()
         unknown = [t for t in task_types if t not in known]
         if unknown:

@@ -18,12 +18,9 @@ What the package offers (scienceworld 1.2.3) and how this module uses it:
   1.2.3 every split is a contiguous block ``train=[0, a) dev=[a, b) test=[b, n)``, so the bounds are
   tabulated below (``_SPLITS_1_2_3``; 3,592 / 1,796 / 1,819 = 7,207 variations; a unit test checks the
   table against the JVM). Any other package version asks its JVM once and caches the answer.
-- **JVM launch**: ``ScienceWorldEnv.__init__`` calls py4j's ``launch_gateway`` with no JVM options
-  (an uncapped JVM reaches ~2.3 GB RSS). ``_capped_env_class()`` subclasses it and re-does that
-  ``__init__`` with ``javaopts=["-Xmx<heap>"]``; no monkeypatching. The package's Python callback
-  server is left out (the simulator never calls back into Python). The JVM's stderr is kept in a
-  small buffer (``stderr_tail``) for diagnosis. Startup ~1-2 s; with ``-Xmx512m`` the JVM's RSS was
-  ~105 MB after start and ~575 MB after loading all 30 tasks (gold paths included).
+- **JVM launch** (``hamo_ray.envs.scienceworld_jvm``): the package's env with the JVM heap capped
+  (``env.jvm_heap``); a Java exception from an action becomes the invalid-action answer, a JVM error
+  (out of memory) is raised.
 - **Stepping**: the package's ``step()`` also builds the valid-action list, the look/inventory texts and
   the task description on every call. ``ScienceWorldEnv.step`` instead calls ``server.step`` and reads
   ``server.getScore()`` / ``server.getCompleted()``. Measured here (2 cores, easy simplifications):
@@ -67,21 +64,18 @@ What the package offers (scienceworld 1.2.3) and how this module uses it:
 
 from __future__ import annotations
 
-import collections
-import functools
 import logging
 import re
-import subprocess
 from collections.abc import Sequence
 from typing import Any
 
 from hamo_ray.config import ConfigError, EnvConfig
 from hamo_ray.envs.base import Domain, StepResult, register_domain
+from hamo_ray.envs.scienceworld_jvm import capped_env_class, is_jvm_error
 from hamo_ray.types import TaskSpec
 
 logger = logging.getLogger(__name__)
 
-SPLITS = ("train", "dev", "test")
 INVALID_ACTION_OBSERVATION = "No known action matches that input."
 
 # (train_end, dev_end, num_variations) per task, read from the scienceworld 1.2.3 jar:
@@ -167,7 +161,7 @@ def variation_splits(task_type: str) -> dict[str, Sequence[int]]:
         return {"train": range(train_end), "dev": range(train_end, dev_end), "test": range(dev_end, total)}
     if not _QUERIED_SPLITS:
         logger.info("scienceworld %s: reading variation splits from a JVM (one-off)", __version__)
-        sw = _capped_env_class()(EnvConfig().jvm_heap)
+        sw = capped_env_class()(EnvConfig().jvm_heap)
         try:
             _QUERIED_SPLITS.update(query_splits(sw))
         finally:
@@ -179,69 +173,6 @@ def variation_splits(task_type: str) -> dict[str, Sequence[int]]:
 
 def _unknown_task(task_type: str) -> ConfigError:
     return ConfigError(f"unknown scienceworld task type {task_type!r}; known: {', '.join(task_names())}")
-
-
-@functools.cache
-def _capped_env_class() -> type:
-    """``scienceworld.ScienceWorldEnv`` whose JVM is started with ``-Xmx<heap>`` (built on first use,
-    so that importing this module does not import the package)."""
-    import tempfile
-
-    import scienceworld
-    from py4j.java_gateway import GatewayParameters, JavaGateway, launch_gateway
-    from scienceworld.constants import BASEPATH, JAR_PATH
-
-    class HeapCappedScienceWorld(scienceworld.ScienceWorldEnv):
-        """The package's env with a heap cap; same setup as its ``__init__`` otherwise."""
-
-        def __init__(self, heap: str, step_limit: int = 100) -> None:
-            self.stderr_tail: collections.deque[str] = collections.deque(maxlen=50)
-            port, proc = launch_gateway(
-                classpath=JAR_PATH,
-                javaopts=[f"-Xmx{heap}"],
-                die_on_exit=True,
-                cwd=BASEPATH,
-                redirect_stderr=self.stderr_tail,
-                return_proc=True,
-            )
-            self.java_process: subprocess.Popen = proc
-            self._gateway = JavaGateway(
-                gateway_parameters=GatewayParameters(auto_field=True, port=port), java_process=proc
-            )
-            self.server = self._gateway.jvm.scienceworld.runtime.pythonapi.PythonInterface()
-            self.lastStepScore = 0
-            self.taskName = None
-            self.simplificationStr = ""
-            self.variationIdx = 0
-            self.envStepLimit = step_limit
-            self.clear_run_histories()
-            self.goldPathGenerated = False
-            self._obj_tree_tempdir = tempfile.TemporaryDirectory()
-            self._closed = False
-            logger.info("ScienceWorld JVM pid %d on port %d (-Xmx%s)", proc.pid, port, heap)
-
-        def close(self) -> None:
-            """Shut the gateway down and wait for the JVM to exit (idempotent)."""
-            if getattr(self, "_closed", True):
-                return
-            self._closed = True
-            proc = self.java_process
-            try:
-                self._gateway.shutdown()
-                if proc.poll() is None:  # py4j#320: the JVM exits on a newline / broken stdin
-                    proc.stdin.write(b"\n")
-                    proc.stdin.flush()
-            except OSError:
-                pass
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                logger.warning("ScienceWorld JVM pid %d did not exit; killing it", proc.pid)
-                proc.kill()
-                proc.wait(timeout=10)
-            self._obj_tree_tempdir.cleanup()
-
-    return HeapCappedScienceWorld
 
 
 class ScienceWorldEnv:
@@ -261,7 +192,7 @@ class ScienceWorldEnv:
         if not _HEAP_RE.match(cfg.jvm_heap):
             raise ConfigError(f"env.jvm_heap: {cfg.jvm_heap!r} is not a JVM size such as '512m' or '2g'")
         self.simplifications = cfg.simplifications
-        self._sw = _capped_env_class()(cfg.jvm_heap)
+        self._sw = capped_env_class()(cfg.jvm_heap)
         self._server = self._sw.server
         known = ["easy", *self._sw.get_possible_simplifications()]
         unknown = [s for s in cfg.simplifications.split(",") if s and s not in known]
@@ -355,20 +286,10 @@ class ScienceWorldEnv:
         try:
             return self._server.step(action)
         except Py4JJavaError as err:
-            if _is_jvm_error(err):
+            if is_jvm_error(err):
                 raise
             logger.warning("%s: action %r raised in the simulator: %s", self._task.id, action[:200], err)
             return INVALID_ACTION_OBSERVATION
-
-
-def _is_jvm_error(err: Any) -> bool:
-    """True for ``java.lang.Error`` subclasses (out of memory, stack overflow): not the action's fault."""
-    cls = err.java_exception.getClass()
-    while cls is not None:
-        if cls.getName() == "java.lang.Error":
-            return True
-        cls = cls.getSuperclass()
-    return False
 
 
 @register_domain("scienceworld")
@@ -391,8 +312,7 @@ class ScienceWorldDomain(Domain):
         Raises:
             ConfigError: unknown split or task type.
         """
-        if split not in SPLITS:
-            raise ConfigError(f"unknown scienceworld split {split!r}; known: {', '.join(SPLITS)}")
+        self.check_split(split)
         variations = variation_splits(task_type)[split]
         if limit is not None:
             variations = variations[:limit]

@@ -43,13 +43,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hamo_ray.config import ConfigError, EnvConfig
+from hamo_ray.config import EnvConfig
 from hamo_ray.envs.base import Domain, StepResult, register_domain
 from hamo_ray.types import TaskSpec
 
 logger = logging.getLogger(__name__)
 
-SPLITS = ("train", "dev", "test")
 SPLIT_SEEDS = {"train": range(0, 10_000), "dev": range(10_000, 11_000), "test": range(20_000, 21_000)}
 CHALLENGES: dict[str, dict[str, Any]] = {
     "tw-simple": {"rewards": "dense", "goal": "detailed", "test": False},
@@ -266,8 +265,7 @@ class TextWorldDomain(Domain):
         Raises:
             ConfigError: unknown split or task type.
         """
-        if split not in SPLITS:
-            raise ConfigError(f"unknown textworld split {split!r}; known: {', '.join(SPLITS)}")
+        self.check_split(split)
         self.check_task_types([task_type])
         seeds = SPLIT_SEEDS[split]
         if limit is not None:

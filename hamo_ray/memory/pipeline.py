@@ -212,7 +212,9 @@ def build_cards_dataset(
     return ds
 
 
-def write_cards_report(ds: ray.data.Dataset, store: MemoryStore, batch_size: int = 256) -> WriteReport:
+def write_cards_report(
+    ds: ray.data.Dataset, store: MemoryStore, batch_size: int = 256, total: int | None = None
+) -> WriteReport:
     """Stream a card dataset into the store from the driver (the single writer), then index.
 
     Args:
@@ -220,11 +222,16 @@ def write_cards_report(ds: ray.data.Dataset, store: MemoryStore, batch_size: int
         store: the memory to add to; cards already there are skipped; past its index threshold the
             ANN index is built (or updated) after the last write.
         batch_size: rows per write (one transaction each).
+        total: the dataset's rows, when known: progress lines (cards done, rate, ETA) every tenth.
+            On a terminal Ray Data's own bars show the distillation and embedding operators.
 
     Returns:
         A :class:`WriteReport`: cards added, rejected rows with their reasons, outline sources.
     """
+    from hamo_ray.logs import Progress
+
     start, report, sources = time.perf_counter(), WriteReport(), Counter()
+    progress = Progress(total or 0, "distil + embed", unit="card", log=logger, enabled=bool(total), bar=False)
     for batch in ds.iter_batches(batch_size=batch_size, batch_format="numpy"):
         reasons = batch.get("reject_reason")
         ok = np.ones(len(batch["id"]), dtype=bool) if reasons is None else reasons == ""
@@ -236,6 +243,8 @@ def write_cards_report(ds: ray.data.Dataset, store: MemoryStore, batch_size: int
             sources.update(str(s) for s in good["outline_source"])
         report.added += store.add(good)
         report.seen += int(ok.sum())
+        progress.update(len(batch["id"]), figures={"added": report.added, "rejected": len(report.rejected)})
+    progress.close()
     report.sources = dict(sources)
     report.indexed = store.ensure_index()
     report.rejected.sort(key=lambda r: r.row)
@@ -259,7 +268,13 @@ def add_stage_cards(store: MemoryStore, trajectories: Sequence[Trajectory], stag
     Returns:
         The :class:`WriteReport`.
     """
-    report = write_cards_report(build_cards_dataset(trajectories, stage, mcfg, store=store), store)
+    stored = store.existing_ids([t.card_id for t in trajectories])
+    if stored:  # a redone stage: its stored cards cost no distillation
+        logger.info(
+            "distil: %d of %d trajectories already in memory, skipped", len(stored), len(trajectories)
+        )
+    new = [t for t in trajectories if t.card_id not in stored]
+    report = write_cards_report(build_cards_dataset(new, stage, mcfg), store, total=len(new))
     logger.info(
         "distil: %d new cards, %d rejected, %d distiller fallbacks (memory holds %d)",
         report.added, len(report.rejected), report.fallbacks, store.count(),

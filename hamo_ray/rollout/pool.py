@@ -17,7 +17,7 @@ import logging
 import time
 
 from hamo_ray.config import EnvConfig, PromptConfig, RolloutConfig
-from hamo_ray.rollout.policy import PolicySpec
+from hamo_ray.rollout.client import PolicySpec
 from hamo_ray.types import TaskSpec, Trajectory
 
 logger = logging.getLogger(__name__)

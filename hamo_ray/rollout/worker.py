@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from hamo_ray.config import EnvConfig, PromptConfig
 from hamo_ray.prompting import build_messages, parse_reply
-from hamo_ray.rollout.policy import PolicyClient, PolicySpec
+from hamo_ray.rollout.client import PolicyClient, PolicySpec
 from hamo_ray.types import TaskSpec, Trajectory
 
 logger = logging.getLogger(__name__)

@@ -2,14 +2,15 @@
 
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
 (both with ``stream=true`` SSE), ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}``,
-``GET /metrics`` (the engine's Prometheus metrics, e.g. ``vllm:num_requests_running``). Every route
+``GET /metrics`` (the engine's Prometheus metrics, e.g. ``vllm:num_requests_running``, of EVERY replica:
+each sample carries a ``replica`` label, whichever replica the proxy picks). Every route
 is guarded (``hamo_ray.serving.guard``: optional bearer key, body size limit); ``/health`` and
 ``/metrics`` stay open for probes and scrapers unless ``serve.auth_probes``. ``max_tokens`` above
 ``serve.max_tokens_limit`` is refused.
 
 A drop-in for vLLM's OpenAI server: the sampling fields vLLM honours go to ``vllm.SamplingParams``
-(``protocol`` lists them), fields it cannot serve get 400 naming them, ``n`` > 1 returns ``n``
-choices. Chat messages are rendered with the tokenizer's chat template and the template variables
+(``protocol`` validates the requests and maps them, ``responses`` builds the answers and SSE
+chunks), fields it cannot serve get 400 naming them, ``n`` > 1 returns ``n`` choices. Chat messages are rendered with the tokenizer's chat template and the template variables
 ``model.enable_thinking`` / ``model.chat_template_kwargs`` of the run, overridden per request by
 ``chat_template_kwargs`` (vLLM's field) - the call and variables training uses
 (``hamo_ray.prompting.encode_chat``), so a trained prompt and a served one are the same tokens.
@@ -43,9 +44,7 @@ the engine token ids, so training and inference see the same tokens.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +56,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hamo_ray.config import ModelConfig, ServeConfig
 from hamo_ray.serving import protocol as oa
+from hamo_ray.serving import responses
 from hamo_ray.serving.adapters import AdapterError, AdapterRegistry
 from hamo_ray.serving.engine import DEFAULT_MAX_LORA_RANK, build_engine
 from hamo_ray.serving.guard import GuardMiddleware, configure_guard
+from hamo_ray.serving.metrics import ReplicaMetrics, RunningPeak
 from hamo_ray.serving.objstore import is_uri
 
 logger = logging.getLogger(__name__)
@@ -103,83 +104,6 @@ async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(oa.APIError(500, f"{type(exc).__name__}: {exc}").body(), status_code=500)
 
 
-RUNNING = "vllm:num_requests_running"
-RUNNING_PEAK = "hamo:num_requests_running_peak"
-
-
-class RunningPeak:
-    """The highest value of vLLM's running-requests gauge seen since the replica started.
-
-    While requests are in flight, a background task reads the gauge from this process's Prometheus
-    registry every ``interval_s``. ``/metrics`` reports the peak (``hamo:num_requests_running_peak``),
-    so a client that polls after a burst still sees how many requests the engine ran together;
-    polls during the burst would queue behind it.
-    """
-
-    def __init__(self, interval_s: float = 0.02):
-        self.interval_s = interval_s
-        self.inflight = 0
-        self.peak = 0.0
-        self._task: asyncio.Task | None = None
-
-    def enter(self) -> None:
-        self.inflight += 1
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._watch())
-
-    def exit(self) -> None:
-        self.inflight -= 1
-
-    @staticmethod
-    def current() -> float | None:
-        """vLLM's running-requests gauge in this process (None where it is not registered)."""
-        from prometheus_client import REGISTRY
-
-        collector = getattr(REGISTRY, "_names_to_collectors", {}).get(RUNNING)
-        if collector is None:
-            return None
-        values = [s.value for metric in collector.collect() for s in metric.samples if s.name == RUNNING]
-        return max(values) if values else None
-
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            if self.inflight:
-                try:
-                    value = self.current()
-                except Exception:  # another prometheus_client or vLLM layout: no peak, no harm
-                    logger.debug("cannot read %s", RUNNING, exc_info=True)
-                    return
-                if value is not None:
-                    self.peak = max(self.peak, value)
-
-    def text(self, model: str) -> str:
-        """The peak as Prometheus exposition text."""
-        return (
-            f"# HELP {RUNNING_PEAK} Highest {RUNNING} seen while requests were in flight.\n"
-            f"# TYPE {RUNNING_PEAK} gauge\n"
-            f'{RUNNING_PEAK}{{model_name="{model}"}} {self.peak}\n'
-        )
-
-
-def _engine_error(exc: Exception) -> oa.APIError:
-    """Map an exception from the engine to the HTTP error to answer."""
-    status = getattr(exc, "http_status", None)
-    if status is not None:
-        return oa.APIError(int(status), str(exc))
-    client_errors: tuple[type[Exception], ...] = (ValueError, TypeError)
-    try:
-        from vllm.exceptions import VLLMClientError
-
-        client_errors += (VLLMClientError,)
-    except ImportError:  # older vLLM: validation errors are ValueErrors
-        pass
-    if isinstance(exc, client_errors):
-        return oa.APIError(400, str(exc))
-    logger.exception("generation failed")
-    return oa.APIError(500, f"{type(exc).__name__}: {exc}")
-
-
 @serve.deployment
 @serve.ingress(api)
 class PolicyServer:
@@ -220,6 +144,7 @@ class PolicyServer:
         self._next_lora_id = 1
         self._load_lock = asyncio.Lock()
         self._running = RunningPeak()
+        self._metrics = ReplicaMetrics(self._own_metrics)  # /metrics of every replica
         self._engine = build_engine(self._model_path, model_cfg, serve_cfg, max_lora_rank=max_lora_rank)
         self._adopt_registered()
 
@@ -231,6 +156,12 @@ class PolicyServer:
     async def check_health(self) -> None:
         """Serve's periodic health check: raises (and Serve replaces the replica) if the engine died."""
         await self._engine.check_health()
+        self._metrics.start()  # the first check runs in the replica's loop: start publishing
+
+    def _own_metrics(self) -> str:
+        from prometheus_client import REGISTRY, generate_latest
+
+        return generate_latest(REGISTRY).decode() + self._running.text(self._base)
 
     def _lora_request(self, name: str, path: Path):
         from vllm.lora.request import LoRARequest
@@ -307,7 +238,7 @@ class PolicyServer:
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
         self._adopt_registered()
-        created = oa.now()
+        created = responses.now()
         card = {
             "object": "model",
             "created": created,
@@ -329,11 +260,14 @@ class PolicyServer:
 
     @api.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
-        """This replica's Prometheus metrics: vLLM's (``vllm:num_requests_running``, ...) and Python's."""
-        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+        """Every replica's Prometheus metrics (vLLM's and Python's), each sample labelled ``replica``.
 
-        text = generate_latest(REGISTRY).decode() + self._running.text(self._base)
-        return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
+        This replica's are read now; the others' are the latest they published (at most
+        ``PUBLISH_EVERY_S`` old). Before the board exists (the first seconds) only this replica's.
+        """
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return PlainTextResponse(await self._metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     def _render(self, body: oa.ChatCompletionRequest) -> tuple[list[int], str | None]:
         """Token ids (and, when asked, the text) of a chat request under the chat template.
@@ -372,127 +306,34 @@ class PolicyServer:
         ids = self._tokenizer(body.prompt_text())["input_ids"]
         return await self._respond(body, list(ids), lora, chat=False)
 
-    def _sampling_params(self, body: oa.ChatCompletionRequest | oa.CompletionRequest, prompt_len: int):
-        """``vllm.SamplingParams`` of a request: every sampling field of ``protocol._SamplingRequest``."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        room = self._max_model_len - prompt_len
-        if room < 1:
-            raise oa.APIError(
-                400,
-                f"the prompt has {prompt_len} tokens; the context window is {self._max_model_len}",
-                param="messages" if isinstance(body, oa.ChatCompletionRequest) else "prompt",
-            )
-        limit = body.token_limit()
-        if limit is not None and limit > self._max_tokens_limit:
-            raise oa.APIError(
-                400,
-                f"max_tokens {limit} exceeds this server's limit {self._max_tokens_limit}",
-                param="max_tokens",
-            )
-        limit = limit or self._max_tokens_limit
-        if body.min_tokens > min(limit, room):
-            raise oa.APIError(
-                400, f"min_tokens {body.min_tokens} exceeds max_tokens {limit}", param="min_tokens"
-            )
-        bias = {int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None
-        try:  # vLLM validates the values too (stop strings, token ids, logprobs count, ...)
-            return SamplingParams(
-                n=body.n,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k if body.top_k not in (None, -1) else 0,
-                min_p=body.min_p,
-                presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty,
-                repetition_penalty=body.repetition_penalty,
-                # A longer request is cut to the context window (finish_reason "length"), not refused.
-                max_tokens=min(limit, room),
-                min_tokens=body.min_tokens,
-                seed=body.seed,
-                stop=[body.stop] if isinstance(body.stop, str) else (body.stop or None),
-                stop_token_ids=body.stop_token_ids or None,
-                include_stop_str_in_output=body.include_stop_str_in_output,
-                ignore_eos=body.ignore_eos,
-                skip_special_tokens=body.skip_special_tokens,
-                spaces_between_special_tokens=body.spaces_between_special_tokens,
-                logit_bias=bias,
-                allowed_token_ids=body.allowed_token_ids or None,
-                bad_words=body.bad_words or None,
-                logprobs=body.num_logprobs(),
-                output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
-            )
-        except Exception as exc:
-            raise _engine_error(exc) from exc
-
-    def _logprobs(self, body, chat: bool, output, offset: int = 0):
-        k, as_ids = body.num_logprobs(), body.return_tokens_as_token_ids
-        if chat:
-            return oa.chat_logprobs(output, k, as_ids)
-        return oa.completion_logprobs(output, k, as_ids, offset)
-
-    async def _respond(self, body, ids: list[int], lora, chat: bool, prompt_text: str | None = None):
-        params = self._sampling_params(body, len(ids))
-        rid = oa.new_id("chatcmpl" if chat else "cmpl")
+    async def _respond(
+        self,
+        body: oa.ChatCompletionRequest | oa.CompletionRequest,
+        ids: list[int],
+        lora: Any,
+        chat: bool,
+        prompt_text: str | None = None,
+    ):
+        params = body.sampling_params(len(ids), self._max_model_len, self._max_tokens_limit)
+        rid = responses.new_id("chatcmpl" if chat else "cmpl")
         gen = self._engine.generate({"prompt_token_ids": ids}, params, rid, lora_request=lora)
         if body.stream:
-            return StreamingResponse(
-                self._stream(gen, body, rid, ids, chat, prompt_text), media_type="text/event-stream"
-            )
+            events = responses.sse_events(gen, body, rid, ids, chat, prompt_text)
+            return StreamingResponse(self._running.track(events), media_type="text/event-stream")
         final = None
         self._running.enter()
         try:
             async for out in gen:
                 final = out
         except Exception as exc:
-            raise _engine_error(exc) from exc
+            raise oa.engine_error(exc) from exc
         finally:
             self._running.exit()
         outputs = sorted(final.outputs, key=lambda o: o.index)
-        logprobs = [self._logprobs(body, chat, o) for o in outputs]
-        if chat:
-            return oa.chat_response(
-                rid, body.model, oa.now(), outputs, ids, logprobs, body.return_token_ids, prompt_text
-            )
-        return oa.completion_response(
-            rid, body.model, oa.now(), outputs, ids, logprobs, body.return_token_ids
+        logprobs = [responses.request_logprobs(body, chat, o) for o in outputs]
+        return responses.response(
+            chat, rid, body.model, responses.now(), outputs, ids, logprobs, body.return_token_ids, prompt_text
         )
-
-    async def _stream(
-        self, gen, body, rid: str, prompt_ids: list[int], chat: bool, prompt_text: str | None = None
-    ) -> AsyncIterator[str]:
-        self._running.enter()
-        try:
-            created, n_tokens = oa.now(), 0
-            offsets: dict[int, int] = {}  # completions: text offset per choice
-            first: set[int] = set()  # choices that got their first chunk
-            try:
-                async for out in gen:
-                    for delta in out.outputs:
-                        n_tokens += len(delta.token_ids)
-                        logprobs = self._logprobs(body, chat, delta, offsets.get(delta.index, 0))
-                        offsets[delta.index] = offsets.get(delta.index, 0) + len(delta.text)
-                        is_first = delta.index not in first
-                        first.add(delta.index)
-                        piece = oa.chunk(
-                            chat, rid, body.model, created, delta, logprobs, is_first, body.return_token_ids
-                        )
-                        if len(first) == 1 and is_first:  # the stream's first chunk carries the prompt
-                            if body.return_token_ids:
-                                piece["prompt_token_ids"] = list(prompt_ids)
-                            if prompt_text is not None:
-                                piece["prompt_text"] = prompt_text
-                        yield f"data: {json.dumps(piece)}\n\n"
-            except Exception as exc:
-                yield f"data: {json.dumps(_engine_error(exc).body())}\n\n"
-            else:
-                if body.include_usage_in_stream():
-                    last = oa.usage_chunk(chat, rid, body.model, created, len(prompt_ids), n_tokens)
-                    yield f"data: {json.dumps(last)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            self._running.exit()
 
 
 def build_app(

@@ -1,25 +1,35 @@
-"""The OpenAI wire format of the policy endpoint: request bodies, errors, responses and stream chunks.
+"""The OpenAI requests of the policy endpoint: bodies, their validation, errors, and vLLM sampling.
 
 The requests model the sampling fields vLLM's OpenAI server honours (temperature, top_p, top_k,
 min_p, presence/frequency/repetition penalties, stop and stop_token_ids, seed, n, logprobs,
 min_tokens, ignore_eos, logit_bias, allowed_token_ids, bad_words, ...), each passed to
-``vllm.SamplingParams`` by ``hamo_ray.serving.app``. Nothing is dropped silently: an unknown field
+``vllm.SamplingParams`` (``sampling_params``). Nothing is dropped silently: an unknown field
 is refused with 400 naming it, and so is a known field the server cannot serve (``UNSUPPORTED``:
 ``response_format``, ``tools``, beam search, ...) unless it holds its neutral value. vLLM's
 extensions are accepted under vLLM's names: ``chat_template_kwargs`` (template variables such as
 Qwen3's ``enable_thinking``), ``return_tokens_as_token_ids`` (each logprob token reads
 ``"token_id:<id>"``), ``return_token_ids`` (``prompt_token_ids`` and each choice's ``token_ids``),
-``return_prompt_text``. Responses are built from vLLM's ``CompletionOutput`` objects (duck-typed,
-so this module does not import vLLM).
+``return_prompt_text``. Responses are built by ``hamo_ray.serving.responses``; vLLM is imported
+only inside ``sampling_params`` and ``engine_error``, so the models validate without it.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from typing import Any
+import logging
+from abc import ABC, abstractmethod
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -50,6 +60,24 @@ class APIError(Exception):
                 "code": self.code or self.status,
             }
         }
+
+
+def engine_error(exc: Exception) -> APIError:
+    """The HTTP error to answer for an exception from vLLM (its own status, 400 for bad input, else 500)."""
+    status = getattr(exc, "http_status", None)
+    if status is not None:
+        return APIError(int(status), str(exc))
+    client_errors: tuple[type[Exception], ...] = (ValueError, TypeError)
+    try:
+        from vllm.exceptions import VLLMClientError
+
+        client_errors += (VLLMClientError,)
+    except ImportError:  # older vLLM: validation errors are ValueErrors
+        pass
+    if isinstance(exc, client_errors):
+        return APIError(400, str(exc))
+    logger.exception("generation failed")
+    return APIError(500, f"{type(exc).__name__}: {exc}")
 
 
 class ChatMessage(BaseModel):
@@ -130,7 +158,23 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )  # fmt: skip
 
 
-class _SamplingRequest(BaseModel):
+def refuse_unsupported(name: str, value: Any) -> Any:
+    """``value`` if it is neutral for the unsupported field ``name``; else a ValueError saying why."""
+    neutral, why = UNSUPPORTED[name]
+    if value in neutral:
+        return value
+    raise ValueError(f"`{name}` is not supported by this server: {why}")
+
+
+def _refuse_field(value: Any, info: ValidationInfo) -> Any:
+    return refuse_unsupported(str(info.field_name), value)
+
+
+# A field of ``UNSUPPORTED``: declared (so a neutral value passes) but refused with 400 otherwise.
+Refused = Annotated[Any, AfterValidator(_refuse_field)]
+
+
+class _SamplingRequest(BaseModel, ABC):
     """The sampling fields vLLM's OpenAI server honours, each passed to ``vllm.SamplingParams``.
 
     Unknown fields are refused (``extra="forbid"``: 400 naming the field), as are the fields of
@@ -138,6 +182,7 @@ class _SamplingRequest(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid")
+    prompt_field: ClassVar[str]  # the field an error about the prompt names
 
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -167,31 +212,22 @@ class _SamplingRequest(BaseModel):
     return_token_ids: bool = False  # vLLM: prompt_token_ids on the response, token_ids on each choice
 
     # The refused fields: declared so that a neutral value (e.g. response_format {"type": "text"}) passes.
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    parallel_tool_calls: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    use_beam_search: Any = None
-    best_of: Any = None
-    echo: Any = None
-    prompt_logprobs: Any = None
-    truncate_prompt_tokens: Any = None
-
-    @field_validator(
-        "response_format", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-        "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-        "use_beam_search", "best_of", "echo", "prompt_logprobs", "truncate_prompt_tokens",
-    )  # fmt: skip
-    @classmethod
-    def _refuse(cls, value: Any, info: ValidationInfo) -> Any:
-        return refuse_unsupported(info.field_name, value)
+    response_format: Refused = None
+    tools: Refused = None
+    tool_choice: Refused = None
+    functions: Refused = None
+    function_call: Refused = None
+    parallel_tool_calls: Refused = None
+    structured_outputs: Refused = None
+    guided_json: Refused = None
+    guided_regex: Refused = None
+    guided_choice: Refused = None
+    guided_grammar: Refused = None
+    use_beam_search: Refused = None
+    best_of: Refused = None
+    echo: Refused = None
+    prompt_logprobs: Refused = None
+    truncate_prompt_tokens: Refused = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -206,16 +242,79 @@ class _SamplingRequest(BaseModel):
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
+    @abstractmethod
+    def token_limit(self) -> int | None:
+        """The requested completion length, if any."""
 
-def refuse_unsupported(name: str, value: Any) -> Any:
-    """``value`` if it is neutral for the unsupported field ``name``; else a ValueError saying why."""
-    neutral, why = UNSUPPORTED[name]
-    if value in neutral:
-        return value
-    raise ValueError(f"`{name}` is not supported by this server: {why}")
+    @abstractmethod
+    def num_logprobs(self) -> int | None:
+        """How many top logprobs to return per token (None: no logprobs)."""
+
+    def sampling_params(self, prompt_len: int, max_model_len: int, max_tokens_limit: int) -> Any:
+        """``vllm.SamplingParams`` of this request: every sampling field above, checked against the limits.
+
+        Args:
+            prompt_len: tokens of the rendered prompt.
+            max_model_len: the context window; a longer request is cut to it (finish_reason "length").
+            max_tokens_limit: the server's ``serve.max_tokens_limit`` (also the default ``max_tokens``).
+
+        Raises:
+            APIError: 400 naming the field when the prompt fills the context, ``max_tokens`` exceeds
+                the limit, ``min_tokens`` exceeds ``max_tokens``, or vLLM refuses a value.
+        """
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        room = max_model_len - prompt_len
+        if room < 1:
+            raise APIError(
+                400,
+                f"the prompt has {prompt_len} tokens; the context window is {max_model_len}",
+                param=self.prompt_field,
+            )
+        limit = self.token_limit()
+        if limit is not None and limit > max_tokens_limit:
+            raise APIError(
+                400, f"max_tokens {limit} exceeds this server's limit {max_tokens_limit}", param="max_tokens"
+            )
+        limit = limit or max_tokens_limit
+        if self.min_tokens > min(limit, room):
+            raise APIError(
+                400, f"min_tokens {self.min_tokens} exceeds max_tokens {limit}", param="min_tokens"
+            )
+        bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+        try:  # vLLM validates the values too (stop strings, token ids, logprobs count, ...)
+            return SamplingParams(
+                n=self.n,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k if self.top_k not in (None, -1) else 0,
+                min_p=self.min_p,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+                max_tokens=min(limit, room),
+                min_tokens=self.min_tokens,
+                seed=self.seed,
+                stop=[self.stop] if isinstance(self.stop, str) else (self.stop or None),
+                stop_token_ids=self.stop_token_ids or None,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                ignore_eos=self.ignore_eos,
+                skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+                logit_bias=bias,
+                allowed_token_ids=self.allowed_token_ids or None,
+                bad_words=self.bad_words or None,
+                logprobs=self.num_logprobs(),
+                output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            )
+        except Exception as exc:
+            raise engine_error(exc) from exc
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    prompt_field: ClassVar[str] = "messages"
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -227,17 +326,12 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     return_prompt_text: bool = False  # vLLM: the rendered prompt text on the response
     # Refused chat-only fields (see UNSUPPORTED).
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    chat_template: Any = None
-    documents: Any = None
-
-    @field_validator("audio", "modalities", "prediction", "reasoning_effort", "chat_template", "documents")
-    @classmethod
-    def _refuse_chat(cls, value: Any, info: ValidationInfo) -> Any:
-        return refuse_unsupported(info.field_name, value)
+    audio: Refused = None
+    modalities: Refused = None
+    prediction: Refused = None
+    reasoning_effort: Refused = None
+    chat_template: Refused = None
+    documents: Refused = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -261,14 +355,11 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
+    prompt_field: ClassVar[str] = "prompt"
+
     prompt: str | list[str]
     logprobs: int | None = Field(None, ge=0, le=20)
-    suffix: Any = None
-
-    @field_validator("suffix")
-    @classmethod
-    def _refuse_suffix(cls, value: Any, info: ValidationInfo) -> Any:
-        return refuse_unsupported(info.field_name, value)
+    suffix: Refused = None
 
     def token_limit(self) -> int | None:
         return self.max_tokens
@@ -291,189 +382,3 @@ class LoadLoRARequest(BaseModel):
 
     lora_name: str
     lora_path: str
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def _token_str(token_id: int, logprob: Any, as_ids: bool) -> str:
-    if as_ids:
-        return f"token_id:{token_id}"
-    return logprob.decoded_token if logprob.decoded_token is not None else ""
-
-
-def _top(entries: dict[int, Any], k: int) -> list[tuple[int, Any]]:
-    return sorted(entries.items(), key=lambda kv: kv[1].rank or 0)[:k]
-
-
-def chat_logprobs(output: Any, k: int | None, as_ids: bool) -> dict[str, Any] | None:
-    """OpenAI chat ``logprobs`` (``{"content": [...]}``) of a vLLM ``CompletionOutput``, or None."""
-    if k is None or output.logprobs is None:
-        return None
-    content = []
-    for token_id, entries in zip(output.token_ids, output.logprobs, strict=False):
-        chosen = entries[token_id]
-        token = _token_str(token_id, chosen, as_ids)
-        top = [
-            {
-                "token": (t := _token_str(tid, lp, as_ids)),
-                "logprob": lp.logprob,
-                "bytes": list(t.encode("utf-8")),
-            }
-            for tid, lp in _top(entries, k)
-        ]
-        content.append(
-            {"token": token, "logprob": chosen.logprob, "bytes": list(token.encode()), "top_logprobs": top}
-        )
-    return {"content": content}
-
-
-def completion_logprobs(output: Any, k: int | None, as_ids: bool, offset: int = 0) -> dict[str, Any] | None:
-    """Legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset), or None."""
-    if k is None or output.logprobs is None:
-        return None
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    for token_id, entries in zip(output.token_ids, output.logprobs, strict=False):
-        chosen = entries[token_id]
-        token = _token_str(token_id, chosen, as_ids)
-        tokens.append(token)
-        token_logprobs.append(chosen.logprob)
-        tops.append({_token_str(tid, lp, as_ids): lp.logprob for tid, lp in _top(entries, k)})
-        offsets.append(offset)
-        offset += len(chosen.decoded_token or "")
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _token_ids(output: Any, on: bool) -> dict[str, Any]:
-    return {"token_ids": list(output.token_ids)} if on else {}
-
-
-def chat_response(
-    rid: str,
-    model: str,
-    created: int,
-    outputs: list[Any],
-    prompt_ids: list[int],
-    logprobs: list[dict[str, Any] | None],
-    return_token_ids: bool = False,
-    prompt_text: str | None = None,
-) -> dict[str, Any]:
-    """A ``chat.completion`` with one choice per vLLM ``CompletionOutput`` (``n`` of them)."""
-    choices = [
-        {
-            "index": out.index,
-            "message": {"role": "assistant", "content": out.text},
-            "logprobs": lp,
-            "finish_reason": out.finish_reason,
-            **_token_ids(out, return_token_ids),
-        }
-        for out, lp in zip(outputs, logprobs, strict=True)
-    ]
-    response = {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)),
-    }
-    if return_token_ids:
-        response["prompt_token_ids"] = list(prompt_ids)
-    if prompt_text is not None:
-        response["prompt_text"] = prompt_text
-    return response
-
-
-def completion_response(
-    rid: str,
-    model: str,
-    created: int,
-    outputs: list[Any],
-    prompt_ids: list[int],
-    logprobs: list[dict[str, Any] | None],
-    return_token_ids: bool = False,
-) -> dict[str, Any]:
-    """A ``text_completion`` with one choice per vLLM ``CompletionOutput``."""
-    choices = [
-        {
-            "index": out.index,
-            "text": out.text,
-            "logprobs": lp,
-            "finish_reason": out.finish_reason,
-            **_token_ids(out, return_token_ids),
-            **({"prompt_token_ids": list(prompt_ids)} if return_token_ids else {}),
-        }
-        for out, lp in zip(outputs, logprobs, strict=True)
-    ]
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)),
-    }
-
-
-def chunk(
-    chat: bool,
-    rid: str,
-    model: str,
-    created: int,
-    output: Any,
-    logprobs: dict[str, Any] | None = None,
-    first: bool = False,
-    return_token_ids: bool = False,
-) -> dict[str, Any]:
-    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``) for one choice's delta."""
-    text, finish_reason = output.text, output.finish_reason
-    if chat:
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text:
-            delta["content"] = text
-        choice: dict[str, Any] = {
-            "index": output.index,
-            "delta": delta,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-    else:
-        choice = {
-            "index": output.index,
-            "text": text or "",
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-    choice.update(_token_ids(output, return_token_ids))
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-
-
-def usage_chunk(chat: bool, rid: str, model: str, created: int, prompt_tokens: int, completion_tokens: int):
-    """The last streamed chunk when ``stream_options.include_usage`` is set: no choices, only usage."""
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage(prompt_tokens, completion_tokens),
-    }

@@ -12,7 +12,7 @@ per-step examples and action-only mask as behavioural cloning) and ``ref`` is th
 adapter, frozen (its log-probabilities are computed once, before the first update).
 
 It runs on the same loop as behavioural cloning (``loop.py``: model loading, packed batches, the
-DDP/DeepSpeed step, bf16 on GPU) and the same long-lived workers (``group.py``); ``beta`` and the
+DDP/DeepSpeed step, bf16 on GPU; ``stage.py``: the epochs and per-step figures) and the same long-lived workers (``group.py``); ``beta`` and the
 epochs come from ``TrainConfig.dpo_beta`` / ``dpo_epochs``::
 
     result = train_dpo(base, bc_adapter, encode_pairs(pairs, tok, pcfg, 1024), out_dir, tcfg, pad_id=0)
@@ -21,14 +21,13 @@ epochs come from ``TrainConfig.dpo_beta`` / ``dpo_epochs``::
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from hamo_ray.config import PromptConfig, TrainConfig
 from hamo_ray.training.examples import trajectory_examples
-from hamo_ray.training.trainer import TrainResult, make_batches, pack_budget, stage_job
+from hamo_ray.training.trainer import TrainResult, pack_budget, run_stage, stage_job
 from hamo_ray.types import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -96,19 +95,12 @@ def trajectory_logprobs(
 
 def dpo_stage(worker: Any, job: dict[str, Any]) -> dict[str, Any] | None:
     """Worker side of a DPO stage: load the BC adapter, reference log-probs, DPO epochs, the saved files."""
-    import ray
     import torch
 
-    from hamo_ray.training.group import read_files
-    from hamo_ray.training.loop import StepConfig, Stepper, rank_share
+    from hamo_ray.training.stage import StageRun, begin_stage, make_batches
 
     t0 = time.perf_counter()
-    pairs = job["examples"]
-    if isinstance(pairs, ray.ObjectRef):
-        pairs = ray.get(pairs)
-    lm, _, _ = worker.model(job["spec"], reuse=job["reuse"])
-    lm.reset_adapter(job["init_adapter"], seed=job["seed"])
-    worker.dirty = not job["reuse"]
+    lm, pairs, _ = begin_stage(worker, job)
     device, packed, pad = worker.device, job["spec"]["packed"], job["pad_id"]
     lengths = [sum(len(s["input_ids"]) for s in p["chosen"] + p["rejected"]) for p in pairs]
     ref = torch.zeros(len(pairs), 2, device=device)
@@ -116,53 +108,28 @@ def dpo_stage(worker: Any, job: dict[str, Any]) -> dict[str, Any] | None:
     with torch.no_grad():  # the frozen reference: the behavioural-cloning adapter before any update
         for idx in make_batches(lengths, job, -1):
             ref[idx] = trajectory_logprobs(lm, [pairs[i] for i in idx], packed, pad, device).float()
-    per_rank = len(rank_share(make_batches(lengths, job, 0), worker.rank, worker.world))
-    stepper = Stepper(lm, StepConfig(**job["step"]), per_rank * job["epochs"], device)
-    lm.train()
-    startup = time.perf_counter() - t0
+    run = StageRun(worker, job, lm, lengths, t0)
     beta = job["beta"]
-    losses, accuracy = [], []
-    tokens = steps = 0
-    start = time.perf_counter()
-    for epoch in range(job["epochs"]):
-        mine = rank_share(make_batches(lengths, job, epoch), worker.rank, worker.world)
-        total, wins, seen = torch.zeros((), device=device), torch.zeros((), device=device), 0
-        for idx in mine:
+    accuracy = []
+    for _, batches in run.epochs():
+        wins, seen = torch.zeros((), device=device), 0
+        for idx in batches:
             batch, owner = _pair_batch([pairs[i] for i in idx], packed, pad)
-            logp = stepper.model(**batch.model_inputs(device))
+            logp = run.stepper.model(**batch.model_inputs(device))
             sums = torch.zeros(2 * len(idx), device=device, dtype=logp.dtype)
             sums = sums.index_add(0, owner.to(device, non_blocking=True), logp).view(-1, 2)
             delta = sums - ref[torch.tensor(idx, device=device)]
             margin = beta * (delta[:, 0] - delta[:, 1])
-            loss = -torch.nn.functional.logsigmoid(margin).mean()
-            stepper.step(loss)
-            total += loss.detach()
+            run.step(-torch.nn.functional.logsigmoid(margin).mean(), batch.tokens)
             wins += (margin.detach() > 0).sum()
             seen += len(idx)
-            tokens, steps = tokens + batch.tokens, steps + 1
-        losses.append(total / max(1, len(mine)))
         accuracy.append(wins / max(1, seen))
-    losses, accuracy = [float(x) for x in losses], [float(x) for x in accuracy]
-    seconds = time.perf_counter() - start
-    if worker.rank == 0:
-        logger.info("dpo: %d steps in %.1fs, losses %s, reward accuracy %s", steps, seconds, losses, accuracy)
-    state = stepper.trainable_state()
-    stepper.close()
-    worker.dirty = worker.dirty or stepper.hooks_left
-    if worker.rank != 0:
+    out = run.finish()
+    if out is None:
         return None
-    with tempfile.TemporaryDirectory() as tmp:
-        lm.save(tmp, state)
-        files = read_files(tmp)
-    return {
-        "files": files,
-        "losses": losses,
-        "accuracy": accuracy,
-        "tokens": tokens * worker.world,
-        "seconds": seconds,
-        "startup_s": startup,
-        "steps": steps,
-    }
+    out["accuracy"] = [float(x) for x in accuracy]
+    logger.info("dpo: reward accuracy per epoch %s", [round(x, 3) for x in out["accuracy"]])
+    return out
 
 
 def train_dpo(
@@ -204,11 +171,8 @@ def train_dpo(
     """
     import ray
 
-    from hamo_ray.training.group import TrainerGroup, write_files
-
     if not pairs:
         raise ValueError("no DPO pairs")
-    wall = time.perf_counter()
     job = stage_job(tcfg, base_path, True, lr=lr, seed=seed, epochs=epochs or tcfg.dpo_epochs)
     lengths = [sum(len(s["input_ids"]) for s in p["chosen"] + p["rejected"]) for p in pairs]
     job.update(
@@ -218,24 +182,6 @@ def train_dpo(
         beta=beta if beta is not None else tcfg.dpo_beta,
         pack_tokens=pack_budget(tcfg, lengths, 1),  # one pair per step unless train.pack_tokens says more
         batch_size=1,
+        name=name,
     )
-    own = group is None
-    if own:
-        group = TrainerGroup(tcfg, name=f"{name}-group")
-    try:
-        m = group.run("hamo_ray.training.dpo:dpo_stage", job)
-    finally:
-        if own:
-            group.shutdown()
-    out = write_files(m["files"], out_dir)
-    return TrainResult(
-        path=str(out),
-        loss=m["losses"][-1],
-        losses=m["losses"],
-        tokens=m["tokens"],
-        seconds=m["seconds"],
-        padding=0.0,
-        startup_s=max(0.0, time.perf_counter() - wall - m["seconds"]),
-        steps=m["steps"],
-        accuracy=m["accuracy"],
-    )
+    return run_stage("hamo_ray.training.dpo:dpo_stage", job, tcfg, out_dir, group, name)

@@ -10,6 +10,9 @@ parts, run by the same long-lived workers (``group.py``)::
     logp = stepper.model(**batch.model_inputs(device))      # log-probs of the labelled tokens
     stepper.step(-logp.mean())
 
+A stage on a worker (both losses) runs these parts through ``stage.py`` (``begin_stage``,
+``StageRun``: the epochs, per-step figures, progress lines and the saved files).
+
 :class:`ActionLM` runs the decoder and applies the LM head only at the positions whose next token
 is labelled (gathered with indices computed on the host), so the ``tokens x vocabulary`` logits
 never exist; with bf16 the LoRA weights are bf16 too (no per-layer casts) and the optimizer keeps
@@ -309,6 +312,11 @@ class Stepper:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step uses."""
+        return float(self.scheduler.get_last_lr()[0])
 
     def trainable_state(self) -> dict[str, Any]:
         """The trainable weights as float32 CPU tensors (collective under ZeRO-3: call on every rank)."""

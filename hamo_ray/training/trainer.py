@@ -4,7 +4,8 @@
 The work runs on a :class:`~hamo_ray.training.group.TrainerGroup` (Ray actors with their own
 process group); pass ``group=`` to keep the workers and the loaded base model across stages, or
 leave it out for a group that lives for this call only. The parts (model loading, packing, the
-step) are in ``loop.py`` and ``packing.py``; ETO's DPO (``dpo.py``) uses the same ones.
+step, the epochs with their per-step figures) are in ``loop.py``, ``packing.py`` and ``stage.py``;
+ETO's DPO (``dpo.py``) uses the same ones.
 
 - Batches are packed without padding (``TrainConfig.packing``, on by default): examples are
   concatenated up to ``pack_tokens`` per micro-batch, attention stays within each example. With
@@ -29,14 +30,13 @@ from __future__ import annotations
 
 import logging
 import math
-import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hamo_ray.config import TrainConfig
-from hamo_ray.training.examples import Example, length_bucketed_batches
+from hamo_ray.training.examples import Example
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,8 @@ class TrainResult:
     steps: int = 0  # optimizer micro-steps per rank over all epochs
     accuracy: list[float] | None = None  # DPO: share of pairs whose margin is positive, per epoch
     peak_gib: float = 0.0  # rank 0's peak GPU memory in the stage (0 on CPU)
+    # one row per optimizer step (rank 0): loss, lr, tokens_per_s (all ranks' tokens / rank 0's step time)
+    step_metrics: list[dict[str, float]] = field(default_factory=list)
 
 
 def resolve_strategy(tcfg: TrainConfig, strategy: str | None = None) -> str:
@@ -67,15 +69,6 @@ def resolve_strategy(tcfg: TrainConfig, strategy: str | None = None) -> str:
     if strategy not in ("ddp", "deepspeed"):
         raise ValueError(f"unknown training strategy {strategy!r} (train.strategy: auto, ddp, deepspeed)")
     return strategy
-
-
-def make_batches(lengths: list[int], job: dict[str, Any], epoch: int) -> list[list[int]]:
-    """The epoch's micro-batches of example indices: packed to the token budget, or length-bucketed."""
-    from hamo_ray.training.packing import pack_batches
-
-    if job["spec"]["packed"]:
-        return pack_batches(lengths, job["pack_tokens"], job["seed"], epoch, job["bucket_pool"])
-    return length_bucketed_batches(lengths, job["batch_size"], job["seed"], epoch, job["bucket_pool"])
 
 
 def pack_budget(tcfg: TrainConfig, lengths: list[int], batch_size: int) -> int:
@@ -116,72 +109,67 @@ def stage_job(tcfg: TrainConfig, base_path: str, lora: bool, **overrides: Any) -
 
 def bc_stage(worker: Any, job: dict[str, Any]) -> dict[str, Any] | None:
     """Worker side of a behavioural-cloning stage: reset the adapter, train, return the saved files."""
-    import ray
     import torch
 
-    from hamo_ray.training.group import read_files
-    from hamo_ray.training.loop import StepConfig, Stepper, rank_share
     from hamo_ray.training.packing import collate
+    from hamo_ray.training.stage import StageRun, begin_stage
 
     t0 = time.perf_counter()
-    examples = job["examples"]
-    if isinstance(examples, ray.ObjectRef):
-        examples = ray.get(examples)
-    lm, load_s, loaded = worker.model(job["spec"], reuse=job["reuse"])
-    if job["spec"]["lora"]:
-        lm.reset_adapter(job.get("init_adapter"), seed=job["seed"])
-    elif not loaded:
-        raise RuntimeError("full-model training needs a freshly loaded model")
-    device, packed = worker.device, job["spec"]["packed"]
-    lengths = [len(e["input_ids"]) for e in examples]
-    per_rank = len(rank_share(make_batches(lengths, job, 0), worker.rank, worker.world))
-    stepper = Stepper(lm, StepConfig(**job["step"]), per_rank * job["epochs"], device)
-    worker.dirty = not job["reuse"]  # the next stage reloads weights this stage changes in place
-    lm.train()
-    startup = time.perf_counter() - t0
+    lm, examples, load_s = begin_stage(worker, job)
+    run = StageRun(worker, job, lm, [len(e["input_ids"]) for e in examples], t0)
     torch.manual_seed(job["seed"])
-    losses: list[Any] = []
-    tokens = positions = steps = 0
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    sync()
-    start = time.perf_counter()
-    for epoch in range(job["epochs"]):
-        mine = rank_share(make_batches(lengths, job, epoch), worker.rank, worker.world)
-        total = torch.zeros((), device=device)
-        for idx in mine:
+    device, packed = worker.device, job["spec"]["packed"]
+    for _, batches in run.epochs():
+        for idx in batches:
             batch = collate([examples[i] for i in idx], packed=packed, pad_id=job["pad_id"])
-            logp = stepper.model(**batch.model_inputs(device))
+            logp = run.stepper.model(**batch.model_inputs(device))
             loss = -logp.mean() if batch.targets.numel() else logp.sum() * 0.0
-            stepper.step(loss)
-            total += loss.detach()
-            tokens, positions, steps = tokens + batch.tokens, positions + batch.positions, steps + 1
-        losses.append(total / max(1, len(mine)))
-    sync()
-    seconds = time.perf_counter() - start
-    losses = [float(x) for x in losses]  # the one host synchronisation, after the loop
-    if worker.rank == 0:
-        logger.info("trained %d steps in %.1fs, losses %s", steps, seconds, [round(x, 4) for x in losses])
-    state = stepper.trainable_state()  # collective under ZeRO-3
-    stepper.close()
-    worker.dirty = worker.dirty or stepper.hooks_left
-    if worker.rank != 0:
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        lm.save(tmp, state)
-        files = read_files(tmp)
-    return {
-        "files": files,
-        "losses": losses,
-        "tokens": tokens * worker.world,
-        "padding": 1 - tokens / max(1, positions),
-        "seconds": seconds,
-        "startup_s": startup,
-        "load_s": load_s,
-        "steps": steps,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
-    }
+            run.step(loss, batch.tokens, batch.positions)
+    out = run.finish()
+    return None if out is None else {**out, "load_s": load_s}
+
+
+def run_stage(
+    fn: str, job: dict[str, Any], tcfg: TrainConfig, out_dir: str | Path, group: Any, name: str
+) -> TrainResult:
+    """Driver side of a stage: run ``fn`` on the group (or a group for this call), write the files.
+
+    Args:
+        fn: the worker function, ``"module:function"`` (``bc_stage``, ``dpo_stage``).
+        job: the stage's settings, examples included.
+        tcfg: training settings (the group's size and resources).
+        out_dir: where the weights are written.
+        group: a running ``TrainerGroup`` (kept after); None: one for this call only.
+        name: the run's name in the logs.
+
+    Returns:
+        The ``TrainResult``; ``startup_s`` is the call's wall time outside the training loop.
+    """
+    from hamo_ray.training.group import TrainerGroup, write_files
+
+    wall = time.perf_counter()
+    own = group is None
+    if own:
+        group = TrainerGroup(tcfg, name=f"{name}-group")
+    try:
+        m = group.run(fn, job)
+    finally:
+        if own:
+            group.shutdown()
+    out = write_files(m["files"], out_dir)
+    return TrainResult(
+        path=str(out),
+        loss=m["losses"][-1],
+        losses=m["losses"],
+        tokens=m["tokens"],
+        seconds=m["seconds"],
+        padding=m["padding"],
+        startup_s=max(0.0, time.perf_counter() - wall - m["seconds"]),
+        steps=m["steps"],
+        peak_gib=m["peak_gib"],
+        step_metrics=m["step_metrics"],
+        accuracy=m.get("accuracy"),
+    )
 
 
 def train_model(
@@ -228,11 +216,8 @@ def train_model(
     """
     import ray
 
-    from hamo_ray.training.group import TrainerGroup, write_files
-
     if not examples:
         raise ValueError("no training examples")
-    wall = time.perf_counter()
     job = stage_job(
         tcfg, base_path, lora, strategy=strategy, batch_size=batch_size, lr=lr, seed=seed, epochs=epochs
     )
@@ -242,28 +227,9 @@ def train_model(
         init_adapter=init_adapter,
         pad_id=pad_id,
         pack_tokens=pack_budget(tcfg, [len(r["input_ids"]) for r in rows], job["batch_size"]),
+        name=f"train {name}",
     )
-    own = group is None
-    if own:
-        group = TrainerGroup(tcfg, name=f"{name}-group")
     logger.info(
         "train %s: %s on %d workers, %d examples", name, job["step"]["strategy"], tcfg.num_workers, len(rows)
     )
-    try:
-        m = group.run("hamo_ray.training.trainer:bc_stage", job)
-    finally:
-        if own:
-            group.shutdown()
-    out = write_files(m["files"], out_dir)
-    loop_wall = time.perf_counter() - wall
-    return TrainResult(
-        path=str(out),
-        loss=m["losses"][-1],
-        losses=m["losses"],
-        tokens=m["tokens"],
-        seconds=m["seconds"],
-        padding=m["padding"],
-        startup_s=max(0.0, loop_wall - m["seconds"]),
-        steps=m["steps"],
-        peak_gib=m["peak_gib"],
-    )
+    return run_stage("hamo_ray.training.trainer:bc_stage", job, tcfg, out_dir, group, name)

@@ -154,7 +154,7 @@ def test_training_prompt_equals_served_prompt(client, tokenizer, pcfg):
 
 def test_trained_model_acts_through_the_rollout_client(server):
     from hamo_ray.prompting import build_messages
-    from hamo_ray.rollout.policy import PolicyClient, PolicySpec
+    from hamo_ray.rollout.client import PolicyClient, PolicySpec
 
     spec = PolicySpec(server, MODEL.name, temperature=0.0, max_tokens=24, chat_template_kwargs=KWARGS)
 

@@ -5,6 +5,9 @@ pytest tests/ray/test_dpo.py -q
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from hamo_ray.config import PromptConfig, TrainConfig
@@ -81,6 +84,14 @@ def test_dpo_raises_the_chosen_margin(ray_session, tmp_path):
     assert isinstance(result, TrainResult) and (tmp_path / "dpo" / "adapter_model.safetensors").exists()
     assert margin(str(tmp_path / "dpo")) > margin(str(tmp_path / "bc"))
     assert len(result.losses) == 3 and len(result.accuracy) == 3 and result.tokens > 0
+    # Per-step figures (the stream writes them as dpo/loss, dpo/lr, dpo/tokens_per_s).
+    assert len(result.step_metrics) == result.steps > 1
+    assert all(
+        math.isfinite(m["loss"]) and m["lr"] > 0 and m["tokens_per_s"] > 0 for m in result.step_metrics
+    )
+    per_epoch = result.steps // 3
+    first = [m["loss"] for m in result.step_metrics[:per_epoch]]
+    assert result.losses[0] == pytest.approx(sum(first) / per_epoch)
     assert len(again.losses) == 1 and again.losses[0] == again.losses[0]
 
 

@@ -3,7 +3,9 @@
 A real head node (``ray start --head --block``) runs with its own Ray temp folder (``RAY_TMPDIR``),
 so the address file it writes is the one ``ray.init()`` would find on a machine where a cluster
 runs, without touching ``/tmp/ray`` of other Ray instances on this machine. The drivers are
-subprocesses, as ``python jobs/stream.py`` on a head node would be.
+subprocesses, as ``python jobs/stream.py`` on a head node would be. A driver started by ``ray job
+submit`` with a working_dir refuses a relative ``run.root`` (it would land in Ray's copy of the
+working_dir on the head node).
 
     pytest tests/ray/test_runtime_cluster.py -x -q
 """
@@ -98,3 +100,25 @@ def test_default_joins_the_running_cluster_and_local_forces_a_private_one(head):
     assert joined["gcs"].endswith(f":{port}") and joined["cpus"] == 3
     private = _driver(env, "local")
     assert not private["gcs"].endswith(f":{port}") and private["cpus"] == 2
+
+
+def test_a_submitted_job_refuses_a_relative_run_root(tmp_path):
+    """In a job with a working_dir the driver runs in Ray's temporary copy of it on the head node."""
+    job_config = {"runtime_env": {"working_dir": "gcs://_ray_pkg_0123456789abcdef.zip"}, "metadata": {}}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env |= {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(job_config), "PYTHONPATH": str(ROOT)}
+    stream = [
+        sys.executable,
+        str(ROOT / "jobs" / "stream.py"),
+        "--config",
+        str(ROOT / "jobs/configs/tiny.yaml"),
+    ]
+    # model.path is missing too: were run.root let through, the Stream would fail on it (exit 2, no Ray).
+    bad = [*stream, "run.root=runs", "model.path=/nonexistent/model"]
+    out = subprocess.run(bad, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "run.root: 'runs' is relative" in out.stderr, out.stderr[-2000:]
+    absolute = [*stream, f"run.root={tmp_path / 'runs'}", "model.path=/nonexistent/model"]
+    out = subprocess.run(absolute, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "model.path" in out.stderr and "run.root" not in out.stderr, out.stderr[
+        -2000:
+    ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 
 import pytest
 
@@ -141,6 +142,13 @@ def test_run_folder_has_tensorboard_events(finished_run):
     )
     assert [v for _, v in scalars["memory/cards"]] == [r.num_cards for r in results]
     assert "seconds/train" in scalars and "stage/budget" in scalars
+    assert [v for _, v in scalars["stage/train_loss"]] == pytest.approx([r.train_loss for r in results])
+    # Every optimizer step of both stages, numbered on across them: stage 2's steps follow stage 1's
+    # (a count restarting at 0 would repeat step numbers).
+    for tag in ("train/loss", "train/lr", "train/tokens_per_s"):
+        points = sorted(scalars[tag])
+        assert len(points) > 2 and [s for s, _ in points] == list(range(len(points))), tag
+        assert all(math.isfinite(v) and v > 0 for _, v in points), tag
 
 
 def test_run_folder_has_plots_and_report(finished_run):

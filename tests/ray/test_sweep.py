@@ -1,4 +1,5 @@
-"""A tiny sweep (4 methods x 2 seeds x 2 stages) run as the README says: aggregated table and plots."""
+"""Sweeps through the real CLI: a tiny 4 methods x 2 seeds sweep (aggregated table and plots; slow), and
+a sweep whose cell fails at run time (non-zero exit, the traceback in the cell's folder)."""
 
 from __future__ import annotations
 
@@ -14,34 +15,41 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _sweep(tmp_path: Path, timeout: int, **sweep) -> tuple[subprocess.CompletedProcess, list[str], dict]:
+    """Run ``jobs/sweep.py`` on a sweep file over the tiny config rooted at ``tmp_path/sweep``.
+
+    Returns:
+        The finished process, and the command and environment (without RAY_ADDRESS) to run it again.
+    """
+    f = tmp_path / "sweep.yaml"
+    base = {"base": str(ROOT / "jobs" / "configs" / "tiny.yaml"), "root": str(tmp_path / "sweep")}
+    f.write_text(yaml.safe_dump({**base, **sweep}))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd = [sys.executable, str(ROOT / "jobs" / "sweep.py"), "--config", str(f)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    return proc, cmd, env
+
+
 @pytest.mark.slow  # 8 stream runs: ~10 min on 2 cores; run with `bash scripts/test.sh -m slow`
 @pytest.mark.timeout(1500)
 def test_tiny_sweep_aggregates(tmp_path):
-    sweep = {
-        "base": str(ROOT / "jobs" / "configs" / "tiny.yaml"),
-        "root": str(tmp_path / "sweep"),
-        "overrides": [
-            "protocol.eval_initial=true",
-            "protocol.train_per_task=2",
-            "protocol.test_per_task=1",
-            "env.max_turns=3",
-            "backbone.per_task=4",
-            "backbone.epochs=1",
-            f"backbone.cache_dir={tmp_path / 'backbones'}",
-            "train.epochs=1",
-            "rollout.num_workers=1",
-            "serve.port=18473",
-            "serve.app_name=hamo-sweep-test",
-            "ray.num_cpus=8",  # logical CPUs (the default rule): the training workers stay up across stages
-            "ray.address=local",  # its own Ray, not a `ray start` cluster that may run here
-        ],
-        "grid": {"method": ["base", "harness", "model_only", "hamo"], "seed": [0, 1]},
-    }
-    f = tmp_path / "sweep.yaml"
-    f.write_text(yaml.safe_dump(sweep))
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    cmd = [sys.executable, str(ROOT / "jobs" / "sweep.py"), "--config", str(f)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1400)
+    overrides = [
+        "protocol.eval_initial=true",
+        "protocol.train_per_task=2",
+        "protocol.test_per_task=1",
+        "env.max_turns=3",
+        "backbone.per_task=4",
+        "backbone.epochs=1",
+        f"backbone.cache_dir={tmp_path / 'backbones'}",
+        "train.epochs=1",
+        "rollout.num_workers=1",
+        "serve.port=18473",
+        "serve.app_name=hamo-sweep-test",
+        "ray.num_cpus=8",  # logical CPUs (the default rule): the training workers stay up across stages
+        "ray.address=local",  # its own Ray, not a `ray start` cluster that may run here
+    ]
+    grid = {"method": ["base", "harness", "model_only", "hamo"], "seed": [0, 1]}
+    proc, cmd, env = _sweep(tmp_path, 1400, overrides=overrides, grid=grid)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     results = tmp_path / "sweep" / "results"
@@ -66,3 +74,24 @@ def test_tiny_sweep_aggregates(tmp_path):
     # A second submission finds every cell finished and only aggregates again.
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert again.returncode == 0 and "8 finished" in (again.stdout + again.stderr)
+
+
+@pytest.mark.timeout(600)
+def test_a_failing_cell_exits_non_zero_with_its_traceback_saved(tmp_path):
+    """The real CLI: a cell whose value passes validation but fails at run time (its backbone cache is
+    a file, not a folder) leaves ``error.txt`` with the traceback in its folder; the sweep exits 1."""
+    not_a_folder = tmp_path / "cache-is-a-file"
+    not_a_folder.write_text("not a folder\n")
+    proc, _, _ = _sweep(
+        tmp_path,
+        500,
+        overrides=["ray.address=local", "ray.num_cpus=2", "serve.port=18475"],
+        grid={"method": ["hamo"], "seed": [0], "vary": {"backbone.cache_dir": [str(not_a_folder)]}},
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (cell,) = (tmp_path / "sweep" / "cells").iterdir()
+    error = (cell / "error.txt").read_text()
+    assert error.startswith("Traceback") and "FileExistsError" in error and str(not_a_folder) in error
+    assert "ensure_backbone" in error  # the frame that raised, not only the message
+    assert f"error: cell {cell.name} failed; traceback in {cell / 'error.txt'}" in proc.stderr
+    assert json.loads((tmp_path / "sweep" / "results" / "summary.json").read_text()) == {}

@@ -10,6 +10,7 @@ Run: pytest tests/ray/test_train_deepspeed.py -q            (config + DDP)
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -136,6 +137,12 @@ def test_workers_live_across_stages(ray_session, backbone, tmp_path):
     assert all(r.tokens > 0 and r.padding == 0.0 and r.steps > 0 for r in results)
     assert all(r.startup_s < 5.0 for r in results[1:]), [r.startup_s for r in results]
     _check_adapter(backbone, results[-1].path)
+    for r in results:  # one row per optimizer step: finite loss, the schedule's lr, a throughput
+        assert len(r.step_metrics) == r.steps > 1
+        assert all(math.isfinite(m["loss"]) and m["tokens_per_s"] > 0 for m in r.step_metrics)
+        assert r.losses == pytest.approx([sum(m["loss"] for m in r.step_metrics) / r.steps])
+        lrs = [m["lr"] for m in r.step_metrics]
+        assert 0 < max(lrs) <= 5e-3 and lrs[-1] < max(lrs)  # warm-up, then linear decay
 
 
 @pytest.mark.slow

@@ -13,12 +13,13 @@ import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import pytest
 
 from hamo_ray.config import MemoryConfig
 from hamo_ray.memory import LLMDistiller, get_distiller, outline_from_trajectory
 from hamo_ray.memory.distill_llm import InvalidOutline, build_prompt, normalise_outline
-from hamo_ray.memory.pipeline import _encode, _parse
+from hamo_ray.memory.pipeline import distil_batch
 from hamo_ray.types import TaskSpec, Trajectory
 
 GOOD = "1. Navigate to the kitchen.\n2. Pick up the thermometer.\n3. Measure the substance."
@@ -117,20 +118,27 @@ def test_llm_distiller_from_config(endpoint):
 
 
 def test_bad_rows_are_rejected_with_a_reason():
+    """The pipeline's distil step (its public Ray Data UDF, called here without Ray) on raw rows."""
     good = _traj("good")
-    assert _parse(_encode(good))[0] == good
     data = good.model_dump(mode="json")
-    cases = {
-        "missing": {k: v for k, v in data.items() if k != "goal"},
-        "empty": {**data, "actions": [], "observations": []},
+    rows = {
+        "good": json.dumps(data).encode(),
+        "missing": json.dumps({k: v for k, v in data.items() if k != "goal"}).encode(),
+        "empty": json.dumps({**data, "actions": [], "observations": []}).encode(),
         "bytes": b'{"goal": "caf\xe9"}',
-        "surrogate": good.model_copy(update={"goal": "bad \udce9 text"}),
-        "json": "{not json",
+        # A lone surrogate in a str row: build_cards_dataset encodes it with "surrogateescape".
+        "surrogate": '{"goal": "bad \udce9 text"}'.encode("utf-8", errors="surrogateescape"),
+        "json": b"{not json",
     }
-    reasons = {name: _parse(_encode(item)) for name, item in cases.items()}
-    assert reasons["missing"][0] is None and "missing fields ['goal']" in reasons["missing"][2]
-    assert reasons["missing"][1] == good.id
-    assert reasons["empty"][2] == "empty action list" and reasons["empty"][1] == good.id
-    assert reasons["bytes"][2].startswith("not UTF-8")
-    assert reasons["surrogate"][2].startswith("not UTF-8")
-    assert reasons["json"][2].startswith("not JSON")
+    batch = {"row": np.arange(len(rows)), "trajectory": np.array(list(rows.values()), dtype=object)}
+    out = distil_batch(batch, stage=3, distiller="outline")
+    reasons = dict(zip(rows, out["reject_reason"], strict=True))
+    ids = dict(zip(rows, out["trajectory_id"], strict=True))
+    assert reasons["good"] == "" and ids["good"] == good.id and out["stage"][0] == 3
+    assert out["outline"][0] == outline_from_trajectory(good) and out["outline_source"][0] == "outline"
+    assert "missing fields ['goal']" in reasons["missing"] and ids["missing"] == good.id
+    assert reasons["empty"] == "empty action list" and ids["empty"] == good.id
+    assert reasons["bytes"].startswith("not UTF-8")
+    assert reasons["surrogate"].startswith("not UTF-8")
+    assert reasons["json"].startswith("not JSON")
+    assert list(out["row"]) == list(range(len(rows)))

@@ -94,3 +94,38 @@ def test_print_config_prints_the_resolved_config():
         timeout=120,
     )
     assert bad.returncode == 2 and "train.nope" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_serve_print_config_prints_the_resolved_config_without_the_key(tmp_path):
+    """jobs/serve.py --print-config: the run's config.yaml + overrides + flags, the API key masked; no Ray."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(load_config(ROOT / "jobs" / "configs" / "tiny.yaml").to_yaml())
+    cmd = [sys.executable, "jobs/serve.py", "--run", str(run), "--port", "9123", "--api-key", "s3cret"]
+    out = subprocess.run(
+        [*cmd, "serve.num_replicas=2", "--print-config"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "s3cret" not in out.stdout + out.stderr
+    printed = yaml.safe_load(out.stdout)
+    expected = load_config(run / "config.yaml", ["serve.num_replicas=2", "serve.port=9123"])
+    assert printed["serve"]["api_key"] == "***"
+    printed["serve"]["api_key"] = None
+    assert printed == expected.model_dump(mode="json")
+
+    bad = subprocess.run(
+        [*cmd, "serve.nope=1", "--print-config"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and "serve.nope" in bad.stderr and "Traceback" not in bad.stderr
+    empty = subprocess.run(
+        [sys.executable, "jobs/serve.py", "--run", str(tmp_path), "--print-config"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert empty.returncode == 2 and "no config.yaml" in empty.stderr

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from hamo_ray.config import ConfigError, RayConfig, load_config
-from hamo_ray.rollout.policy import PolicyClient
-from hamo_ray.run_state import PhaseClock, RunFolder
+from hamo_ray.rollout.client import PolicyClient
+from hamo_ray.run_folder import PhaseClock, RunFolder
 from hamo_ray.runtime import Endpoint, Services, cluster_address, local_cpus
 
 

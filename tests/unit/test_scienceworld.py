@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 from hamo_ray.config import ConfigError, EnvConfig
-from hamo_ray.envs.base import Env, get_domain
+from hamo_ray.envs.base import SPLITS, Env, get_domain
 from hamo_ray.envs.scienceworld import (
     INVALID_ACTION_OBSERVATION,
-    SPLITS,
     ScienceWorldDomain,
     ScienceWorldEnv,
     query_splits,

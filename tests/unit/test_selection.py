@@ -110,3 +110,26 @@ def test_blocked_neighbours_equal_exact_rows_with_ties(monkeypatch):
     # Rows may differ only where float rounding reorders near-ties (none here at float32 spacing).
     assert (blocked == exact).all()
     assert blocked[7].tolist() == [40, 41, 42] and blocked[40].tolist() == [7, 41, 42]
+
+
+@pytest.mark.parametrize("fraction, expected", [(0.0, None), (0.5, 20), (1.0, 40)])
+def test_budget_floor_as_a_share_of_the_stage(fraction, expected):
+    """``selection.min_fraction`` raises the knee's budget to ceil(fraction * n); 0 keeps the knee."""
+    from types import SimpleNamespace
+
+    from hamo_ray.config import HamoConfig
+    from hamo_ray.steps import select
+
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(4, 16))
+    x = np.concatenate([c + 0.01 * rng.normal(size=(10, 16)) for c in centres])  # 4 tight clusters
+    trajs = [SimpleNamespace(card_id=f"c{i}") for i in range(len(x))]
+    store = SimpleNamespace(vectors=lambda ids: x[[int(i[1:]) for i in ids]])
+    cfg = HamoConfig.model_validate({"selection": {"min_fraction": fraction}})
+    anchors, budget = select(cfg, trajs, store)
+    knee = coverage_select(x).budget
+    assert knee < 20  # the knee alone is small here, so the floor is what binds
+    assert budget == len(anchors) == (expected or knee)
+    assert len({a.card_id for a in anchors}) == budget
+    with pytest.raises(ValueError, match="min_fraction"):
+        HamoConfig.model_validate({"selection": {"min_fraction": 1.5}})

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hamo_ray.config import ConfigError, load_config
-from hamo_ray.run_state import RunFolder
+from hamo_ray.run_folder import RunFolder
 from hamo_ray.stream import Stream, split_stages
 from hamo_ray.types import StageResult, TaskSpec
 

@@ -195,9 +195,9 @@ def test_catalog_deterministic_by_seed() -> None:
 
 
 def test_attribute_pools_are_distinguishable() -> None:
-    from hamo_ray.envs.webshop.catalog import _TYPES
+    from hamo_ray.envs.webshop.catalog import PRODUCT_TYPES
 
-    for specs in _TYPES.values():
+    for specs in PRODUCT_TYPES.values():
         for _, _, _, pool, _, _ in specs:
             for x in pool:
                 for y in pool:

@@ -20,7 +20,8 @@ Usage::
   Missing official games stop a run before any work (``GameStore.check``: a ``ConfigError`` naming
   ``env.alfworld_games`` and the folder); nothing is substituted. ``generated`` (asked for explicitly,
   e.g. by the tiny presets, since the official games cannot be downloaded here) makes ALFRED-style games
-  with ``generate.py`` on the package's own PDDL domain, grammar and room layouts, in the same layout,
+  with ``generate.py`` (rooms: ``layout.py``; validation: ``expert.py``) on the package's own PDDL
+  domain, grammar and room layouts, in the same layout,
   under ``env.alfworld_games_dir`` (default ``~/.cache/hamo_ray/alfworld/<generator version>-seed<alfworld_seed>``),
   ``env.alfworld_games_per_task`` variations per task type and split; their scores are not comparable
   with published ALFWorld numbers. Train/dev use ALFRED's train floor plans (dev: other placements,
@@ -49,7 +50,7 @@ Usage::
   (``fast_downward.load_lib`` copies it), so envs in one process do not share planner state and can
   step in parallel threads (the textworld parser underneath cannot: see ``AlfWorldDomain.thread_safe``).
 - **Pitfalls** handled here: fast-downward's ``pddl2sas`` overwrites ``sys.argv`` on every load/reset
-  (restored by ``generate.keep_argv``); the handcoded expert draws from the global ``random`` (seeded
+  (restored by ``expert.keep_argv``); the handcoded expert draws from the global ``random`` (seeded
   and restored around expert runs); ``import alfworld`` creates ``~/.cache/alfworld`` and sets
   ``$ALFWORLD_DATA`` (so only done lazily, on first use).
 """

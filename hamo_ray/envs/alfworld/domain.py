@@ -221,7 +221,7 @@ class AlfWorldEnv:
         Raises:
             ValueError: unknown split or task type, or a variation out of range.
         """
-        from hamo_ray.envs.alfworld.generate import keep_argv
+        from hamo_ray.envs.alfworld.expert import keep_argv
 
         game_file = self.store.game_file(task.split, task.task, task.variation)
         with keep_argv():
@@ -258,7 +258,8 @@ class AlfWorldEnv:
         if self._task is None or self._game_file is None:
             raise RuntimeError("AlfWorldEnv.expert_actions() before reset()")
         if self._walkthrough is None:
-            from hamo_ray.envs.alfworld.generate import play_expert, sub_seed
+            from hamo_ray.envs.alfworld.expert import play_expert
+            from hamo_ray.envs.alfworld.generate import sub_seed
 
             plan = play_expert(str(self._game_file), "handcoded", seed=sub_seed(self._task.id))
             if plan is None:

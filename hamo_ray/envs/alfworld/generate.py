@@ -38,21 +38,39 @@ game. Games are written into a temporary folder and renamed, so concurrent write
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
 import random
 import shutil
-import sys
 import tempfile
-import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
-from typing import Any
+
+from hamo_ray.envs.alfworld.expert import play_expert
+from hamo_ray.envs.alfworld.layout import (
+    alfworld_constants,
+    can_contain,
+    choose_task,
+    furnished_room,
+    loc_id,
+    place_objects,
+    scene_data,
+    scenes_for,
+)
+
+# ``scenes_for`` is re-exported: which rooms a split may use is part of this module's contract.
+__all__ = [
+    "GENERATOR_VERSION",
+    "SPLIT_DIRS",
+    "TASK_TYPES",
+    "GenerationError",
+    "build_problem",
+    "game_dir_prefix",
+    "generate_game",
+    "scenes_for",
+    "sub_seed",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -68,35 +86,11 @@ TASK_TYPES = (
 # Our split -> the official ALFWorld folder it mirrors.
 SPLIT_DIRS = {"train": "train", "dev": "valid_seen", "test": "valid_unseen"}
 MAX_ATTEMPTS = 20
-EXPERT_MAX_STEPS = 200  # AlfredExpert's own budget for the handcoded expert
 MAX_WALKTHROUGH = 50  # keep games whose expert wins within ALFWorld's usual 50-step episode budget
-_LAMP_HOSTS = ("Desk", "SideTable", "Dresser", "DiningTable", "CoffeeTable", "Shelf", "TVStand")
-_EXTRA_COUNTS = {"StoveBurner": 4}  # receptacles missing from a layout: instances to add
-_NEEDS = {  # receptacle type a task needs in the room, and types its goal receptacle must not be
-    "pick_clean_then_place_in_recep": ("SinkBasin", {"SinkBasin", "BathtubBasin"}),
-    "pick_heat_then_place_in_recep": ("Microwave", {"Microwave"}),
-    "pick_cool_then_place_in_recep": ("Fridge", {"Fridge"}),
-}
-_ACTION_SET = {
-    "pick_clean_then_place_in_recep": "Cleanable",
-    "pick_heat_then_place_in_recep": "Heatable",
-    "pick_cool_then_place_in_recep": "Coolable",
-}
-_EXPERT_LOCK = threading.Lock()  # the handcoded expert draws from the global ``random``
-_ARGV_LOCK = threading.Lock()
-_argv_users = 0
-_argv_saved: list[str] = []
 
 
 class GenerationError(RuntimeError):
     """No valid game could be generated for a variation (after ``MAX_ATTEMPTS`` attempts)."""
-
-
-@dataclass(frozen=True)
-class Receptacle:
-    id: str  # ALFRED object id, e.g. "Cabinet|+00.68|+00.50|-02.20"
-    type: str  # e.g. "Cabinet", "SinkBasin"
-    loc: str  # location id, e.g. "loc|0|-5|2|30"
 
 
 def pddl_name(alfred_id: str) -> str:
@@ -111,170 +105,21 @@ def sub_seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "big")
 
 
-@cache
-def _constants() -> Any:
-    import alfworld.gen.constants as constants
-
-    return constants
-
-
-@cache
-def _layouts_dir() -> Path:
-    return Path(_constants().__file__).parent / "layouts"
-
-
-@cache
-def _scene(scene: int) -> tuple[tuple[Receptacle, ...], tuple[str, ...], tuple[tuple[float, float], ...]]:
-    """(receptacles of the layout, object types in the room, navigation points) of floor plan ``scene``."""
-    import numpy as np
-
-    c = _constants()
-    base = _layouts_dir() / f"FloorPlan{scene}"
-    points = json.loads((base.parent / f"{base.name}-openable.json").read_text())
-    receptacles = []
-    for rid, (x, z, rot, hor) in sorted(points.items()):
-        parts = rid.split("|")
-        rtype = parts[-1] if len(parts) > 4 else parts[0]  # "Sink|x|y|z|SinkBasin" is a SinkBasin
-        if rtype in c.RECEPTACLES and rtype not in c.MOVABLE_RECEPTACLES_SET:
-            receptacles.append(Receptacle(rid, rtype, _loc(x, z, rot, hor)))
-    objects = tuple(json.loads((base.parent / f"{base.name}-objects.json").read_text()))
-    nav = tuple((float(x), float(z)) for x, z in np.load(base.parent / f"{base.name}-layout.npy"))
-    return tuple(receptacles), objects, nav
-
-
-def _loc(x: float, z: float, rot: float, hor: float) -> str:
-    return f"loc|{round(x / 0.25)}|{round(z / 0.25)}|{round(rot / 90) % 4}|{round(hor)}"
-
-
-def scenes_for(split: str, task_type: str) -> list[int]:
-    """Floor plans a game of ``task_type`` in ``split`` may use (room type valid and needs met)."""
-    c = _constants()
-    pool = c.TEST_SCENE_NUMBERS if split == "test" else c.TRAIN_SCENE_NUMBERS
-    rooms = c.GOALS_VALID[task_type]
-    out = []
-    for scene in sorted(pool):
-        if not any(scene in c.SCENE_TYPE[room] for room in rooms):
-            continue
-        receptacles, objects, _ = _scene(scene)
-        rtypes = {r.type for r in receptacles} | set(objects)
-        need = _NEEDS.get(task_type, (None, set()))[0]
-        if need and need not in rtypes:
-            continue
-        if task_type == "look_at_obj_in_light" and not {"DeskLamp", "FloorLamp"} & set(objects):
-            continue
-        out.append(scene)
-    return out
-
-
-def _pickupable_types() -> set[str]:
-    c = _constants()
-    placeable = set().union(*c.VAL_RECEPTACLE_OBJECTS.values())
-    return {o for o in placeable if o in c.OBJECTS and not o.endswith("Sliced")}
-
-
-def _room(scene: int, rng: random.Random) -> list[Receptacle]:
-    """The layout's receptacles plus the room's receptacle types the layout lacks, at free nav points."""
-    c = _constants()
-    receptacles, objects, nav = _scene(scene)
-    have = {r.type for r in receptacles}
-    out = list(receptacles)
-    taken = {r.loc.rsplit("|", 2)[0] for r in receptacles}
-    free = [p for p in nav if _loc(p[0], p[1], 0, 0).rsplit("|", 2)[0] not in taken]
-    for rtype in sorted(set(objects) & c.RECEPTACLES - c.MOVABLE_RECEPTACLES_SET - have):
-        for _ in range(_EXTRA_COUNTS.get(rtype, 1)):
-            x, z = free.pop(rng.randrange(len(free))) if free else rng.choice(nav)
-            rid = f"{rtype}|{x:+06.2f}|{rng.uniform(0.0, 1.5):+06.2f}|{z:+06.2f}"
-            out.append(Receptacle(rid, rtype, _loc(x, z, rng.randrange(4) * 90, 30)))
-    return out
-
-
-def _can_contain(rtype: str, otype: str) -> bool:
-    return otype in _constants().VAL_RECEPTACLE_OBJECTS.get(rtype, ())
-
-
-def _choose_task(task_type: str, scene: int, receptacles: list[Receptacle], rng: random.Random) -> dict:
-    """pddl_params (object/parent/toggle targets) for ``task_type`` in this room, or {} if none fits."""
-    c = _constants()
-    _, objects, _ = _scene(scene)
-    rtypes = sorted({r.type for r in receptacles})
-    candidates = sorted(_pickupable_types() & set(objects))
-    if task_type in _ACTION_SET:
-        candidates = [o for o in candidates if o in c.VAL_ACTION_OBJECTS[_ACTION_SET[task_type]]]
-    if task_type == "look_at_obj_in_light":
-        lamps = sorted({"DeskLamp", "FloorLamp"} & set(objects))
-        hosts = [r for r in rtypes if r in _LAMP_HOSTS]
-        usable = [o for o in candidates if any(_can_contain(r, o) for r in rtypes)]
-        if not (lamps and hosts and usable):
-            return {}
-        return _params(rng.choice(usable), "", rng.choice(lamps))
-    banned = _NEEDS.get(task_type, (None, set()))[1]
-    pairs = []
-    for obj in candidates:
-        sources = [r for r in rtypes if _can_contain(r, obj) and r not in banned]
-        for parent in rtypes:
-            if parent not in banned and _can_contain(parent, obj) and [s for s in sources if s != parent]:
-                pairs.append((obj, parent))
-    if not pairs:
-        return {}
-    obj, parent = rng.choice(pairs)
-    return _params(obj, parent, "")
-
-
-def _params(obj: str, parent: str, toggle: str) -> dict:
-    return {
-        "object_target": obj,
-        "parent_target": parent,
-        "toggle_target": toggle,
-        "mrecep_target": "",
-        "object_sliced": False,
-    }
-
-
-def _place_objects(
-    task_type: str, params: dict, scene: int, receptacles: list[Receptacle], rng: random.Random
-) -> list[tuple[str, str, Receptacle]]:
-    """(alfred id, type, receptacle) of every object; targets avoid receptacles that would pre-win the goal."""
-    _, objects, _ = _scene(scene)
-    target = params["object_target"]
-    avoid = {params["parent_target"]} | _NEEDS.get(task_type, (None, set()))[1]
-    counts = {target: rng.randint(2, 3) if task_type == "pick_two_obj_and_place" else rng.randint(1, 3)}
-    others = sorted(_pickupable_types() & set(objects) - {target})
-    for obj in rng.sample(others, k=rng.randint(len(others) // 4, len(others) // 2)):
-        counts[obj] = rng.randint(1, 2)
-    if params["toggle_target"]:
-        counts[params["toggle_target"]] = 1
-    placed = []
-    for otype, n in counts.items():
-        if otype in ("DeskLamp", "FloorLamp"):
-            hosts = [r for r in receptacles if r.type in _LAMP_HOSTS]
-        elif otype == target:
-            hosts = [r for r in receptacles if _can_contain(r.type, otype) and r.type not in avoid]
-        else:
-            hosts = [r for r in receptacles if _can_contain(r.type, otype)]
-        for _ in range(n if hosts else 0):
-            host = rng.choice(hosts)
-            oid = (
-                f"{otype}|{rng.uniform(-3, 3):+06.2f}|{rng.uniform(0, 2):+06.2f}|{rng.uniform(-3, 3):+06.2f}"
-            )
-            placed.append((oid, otype, host))
-    return placed
-
-
 def build_problem(task_type: str, scene: int, rng: random.Random) -> tuple[str, dict] | None:
     """The PDDL problem text and ``pddl_params`` of one game in floor plan ``scene`` (None: no task fits)."""
-    c = _constants()
+    c = alfworld_constants()
     from alfworld.gen import goal_library
 
-    receptacles = _room(scene, rng)
-    params = _choose_task(task_type, scene, receptacles, rng)
+    receptacles = furnished_room(scene, rng)
+    params = choose_task(task_type, scene, receptacles, rng)
     if not params:
         return None
-    placed = _place_objects(task_type, params, scene, receptacles, rng)
+    placed = place_objects(task_type, params, scene, receptacles, rng)
     if not any(otype == params["object_target"] for _, otype, _ in placed):
         return None
-    _, _, nav = _scene(scene)
+    _, _, nav = scene_data(scene)
     x, z = rng.choice(nav)
-    start = _loc(x, z, rng.randrange(4) * 90, 30)
+    start = loc_id(x, z, rng.randrange(4) * 90, 30)
 
     rtype_names = sorted(c.RECEPTACLES - c.MOVABLE_RECEPTACLES_SET)
     otype_names = sorted(c.OBJECTS_SET - set(rtype_names))
@@ -293,7 +138,7 @@ def build_problem(task_type: str, scene: int, rng: random.Random) -> tuple[str, 
         if r.type in c.OPENABLE_CLASS_SET:
             lines.append(f"(openable {pddl_name(r.id)})")
     for rtype in sorted({r.type for r in receptacles}):
-        lines += [f"(canContain {rtype}Type {o}Type)" for o in otypes_present if _can_contain(rtype, o)]
+        lines += [f"(canContain {rtype}Type {o}Type)" for o in otypes_present if can_contain(rtype, o)]
     affordances = {"cleanable": "Cleanable", "heatable": "Heatable", "coolable": "Coolable"}
     for oid, otype, host in placed:
         name = pddl_name(oid)
@@ -326,81 +171,8 @@ def task_description(task_type: str, params: dict, rng: random.Random) -> str:
     )
 
 
-@contextlib.contextmanager
-def keep_argv() -> Iterator[None]:
-    """Restore ``sys.argv`` after engine calls: fast-downward's ``pddl2sas`` (run by every game load and
-    reset) sets it to ``["translate.py", "domain", "task"]``. Nesting- and thread-safe."""
-    global _argv_users, _argv_saved
-    with _ARGV_LOCK:
-        if _argv_users == 0:
-            _argv_saved = list(sys.argv)
-        _argv_users += 1
-    try:
-        yield
-    finally:
-        with _ARGV_LOCK:
-            _argv_users -= 1
-            if _argv_users == 0:
-                sys.argv = _argv_saved
-
-
-@contextlib.contextmanager
-def seeded_global_random(seed: int) -> Iterator[None]:
-    """Seed the global ``random`` (the handcoded expert's source) for a block, then restore it."""
-    with _EXPERT_LOCK:
-        state = random.getstate()
-        random.seed(seed)
-        try:
-            yield
-        finally:
-            random.setstate(state)
-
-
-def play_expert(game_file: str, expert_type: str = "handcoded", seed: int = 0) -> list[str] | None:
-    """Play the official expert on ``game_file`` through the official wrapper stack.
-
-    Returns:
-        The commands up to the win, or None when the expert fails, times out or does not win.
-    """
-    from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredExpert, AlfredInfos
-    from textworld import EnvInfos
-    from textworld.envs import PddlEnv
-
-    env = AlfredExpert(
-        AlfredInfos(
-            AlfredDemangler(PddlEnv(EnvInfos(admissible_commands=True, won=True, extras=["gamefile"])))
-        ),
-        expert_type=expert_type,
-    )
-    commands: list[str] = []
-    with seeded_global_random(seed), keep_argv():
-        try:
-            env.load(game_file)
-            state = env.reset()
-            if expert_type == "planner":
-                return _replay(env, list(state["extra.expert_plan"]))
-            while not state["won"] and len(commands) < EXPERT_MAX_STEPS:
-                command = state["extra.expert_plan"][0]
-                state, _, _ = env.step(command)
-                commands.append(command)
-        except Exception as exc:  # noqa: BLE001 - the expert raises plain Exceptions (timeouts, failures)
-            logger.debug("expert failed on %s: %s", game_file, exc)
-            return None
-        finally:
-            env.close()
-    return commands if state["won"] else None
-
-
-def _replay(env: Any, plan: list[str]) -> list[str] | None:
-    state = None
-    for i, command in enumerate(plan):
-        state, _, done = env.step(command)
-        if done or state["won"]:
-            return plan[: i + 1]
-    return None
-
-
 def game_dir_prefix(task_type: str, variation: int) -> str:
+    """The start of a generated game's folder name, e.g. ``pick_and_place_simple-00003``."""
     return f"{task_type}-{variation:05d}"
 
 

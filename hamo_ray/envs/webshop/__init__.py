@@ -29,8 +29,6 @@ from hamo_ray.config import ConfigError, EnvConfig
 from hamo_ray.envs.base import Domain, Env, register_domain
 from hamo_ray.types import TaskSpec
 
-SPLITS = ("train", "dev", "test")
-
 
 @register_domain("webshop")
 class WebShopDomain(Domain):
@@ -71,8 +69,7 @@ class WebShopDomain(Domain):
         Raises:
             ConfigError: unknown split or task type.
         """
-        if split not in SPLITS:
-            raise ConfigError(f"unknown webshop split {split!r}; known: {', '.join(SPLITS)}")
+        self.check_split(split)
         self.check_task_types([task_type])
         if self.cfg.webshop_backend == "standin":
             variations = self._catalog().split_range(task_type, split)

@@ -35,7 +35,6 @@ from hamo_ray.envs.webshop.search import BM25Index
 
 logger = logging.getLogger(__name__)
 
-SPLITS = ("train", "dev", "test")
 _SPLIT_FRACTIONS = (0.7, 0.1, 0.2)
 
 _SIZES_CLOTHES = ("x-small", "small", "medium", "large", "x-large", "xx-large")
@@ -45,7 +44,7 @@ _PACKS = ("pack of 1", "pack of 2", "pack of 6", "pack of 12")
 
 # fmt: off
 # category -> [(noun phrase, query, category path, attribute pool, {option: values}, (price lo, hi))]
-_TYPES: dict[str, list[tuple[str, str, str, tuple[str, ...], dict[str, tuple[str, ...]], tuple[int, int]]]] = {
+PRODUCT_TYPES: dict[str, list[tuple[str, str, str, tuple[str, ...], dict[str, tuple[str, ...]], tuple[int, int]]]] = {
     "beauty": [
         ("argan oil shampoo", "shampoo", "Beauty & Personal Care › Hair Care › Shampoo",
          ("sulfate free", "paraben free", "color safe", "dry hair", "cruelty free", "natural ingredients", "dandruff control", "salon quality"),
@@ -133,7 +132,7 @@ _TYPES: dict[str, list[tuple[str, str, str, tuple[str, ...], dict[str, tuple[str
     ],
 }
 # fmt: on
-CATEGORIES = tuple(sorted(_TYPES))
+CATEGORIES = tuple(sorted(PRODUCT_TYPES))
 
 _DESCRIPTORS = ("Premium", "Classic", "Ultra", "Essential", "Deluxe", "Everyday", "Pro", "Original")
 _TEMPLATES = (
@@ -241,7 +240,7 @@ def _make_product(rng: random.Random, category: str, spec: tuple, brand: str, as
 
 def _make_goal(rng: random.Random, product: Product, seen: set[str]) -> Goal | None:
     """An instruction for ``product`` whose text is not in ``seen`` (None after 20 tries)."""
-    noun = next(spec[0] for spec in _TYPES[product.category] if spec[1] == product.query)
+    noun = next(spec[0] for spec in PRODUCT_TYPES[product.category] if spec[1] == product.query)
     for _ in range(20):
         attrs = sorted(rng.sample(product.attributes, rng.randint(1, 3)), key=product.attributes.index)
         goal_options = {name: rng.choice(values) for name, values in sorted(product.options.items())}
@@ -290,7 +289,11 @@ def build_catalog(seed: int = 0, num_products: int = 3000) -> Catalog:
     for category in CATEGORIES:
         made = [
             _make_product(
-                rng, category, _TYPES[category][i % len(_TYPES[category])], rng.choice(brands), asins
+                rng,
+                category,
+                PRODUCT_TYPES[category][i % len(PRODUCT_TYPES[category])],
+                rng.choice(brands),
+                asins,
             )
             for i in range(per_category)
         ]
