@@ -10,6 +10,7 @@ stream keeps across stages, shut down when the run ends).
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 
@@ -48,3 +49,12 @@ def test_eto_stream_trains_dpo_on_kept_workers(ray_session, tmp_path, caplog):
     for stage in (1, 2):
         assert (tmp_path / "e" / "adapters" / f"stage-{stage}" / "adapter_model.safetensors").exists()
     assert getattr(stream, "_train_group", None) is None  # the kept workers were stopped with the run
+    # Per-step figures of both losses in the run's TensorBoard events, each counted on across stages.
+    from hamo_ray.tracking import read_scalars
+
+    scalars = read_scalars(tmp_path / "e" / "tensorboard")
+    assert len(scalars["train/loss"]) > 1
+    for tag in ("train/loss", "dpo/loss", "dpo/lr", "dpo/tokens_per_s"):
+        points = sorted(scalars[tag])
+        assert points and [s for s, _ in points] == list(range(len(points))), tag
+        assert all(math.isfinite(v) for _, v in points), tag
