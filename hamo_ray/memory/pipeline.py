@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -189,6 +190,10 @@ def build_cards_dataset(
             logger.info("distil: %d of %d trajectories already in memory, skipped", len(stored), len(known))
     if not items:  # e.g. a re-run of a stored stage: no distiller, no embedding model to load
         return ray.data.from_items([])
+    if not sys.stdout.isatty():
+        # Off a terminal Ray Data logs its progress table every few seconds; the card counts that
+        # ``add_stage_cards`` logs say the same in one line a tenth, so job logs stay readable.
+        ray.data.DataContext.get_current().enable_progress_bars = False
     blocks = max(1, math.ceil(len(items) / mcfg.batch_size))
     ds = ray.data.from_items(items, override_num_blocks=blocks)
     ds = ds.map_batches(
