@@ -148,14 +148,23 @@ def aggregate(
         if not f.exists():
             logger.warning("sweep: cell %s has no metrics yet; left out of the aggregate", name)
             continue
-        groups.setdefault(setting_of(cfg, vary), {}).setdefault(cfg.method.name, []).append(
-            json.loads(f.read_text())
-        )
+        metrics = json.loads(f.read_text())
+        done = min((len(v) for v in metrics.get("stage_scores", {}).values()), default=0)
+        if done < cfg.protocol.stages:  # a failed or interrupted cell: its partial scores would bias
+            logger.warning(
+                "sweep: cell %s has %d of %d stages; left out of the aggregate",
+                name,
+                done,
+                cfg.protocol.stages,
+            )
+            continue
+        groups.setdefault(setting_of(cfg, vary), {}).setdefault(cfg.method.name, []).append(metrics)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {}
     lines = [
-        "| setting | method | seeds | average (mean ± 95% CI) | final total | forgetting (first domain) |",
-        "|---|---|---|---|---|---|",
+        "| setting | method | seeds | stage average | final total | first-domain retention "
+        "| forgetting (first domain) | BWT |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     figures = []
     for n, (setting, methods) in enumerate(sorted(groups.items())):
@@ -190,9 +199,8 @@ def aggregate(
                 "backward_transfer": mean_interval([r["backward_transfer"] for r in runs]),
                 "forward_transfer": mean_interval([r["forward_transfer"] for r in runs]),
             }
-            lines.append(
-                f"| {setting} | {method} | {len(runs)} | {_fmt(avg)} | {_fmt(total)} | {_fmt(forget)} |"
-            )
+            row = [avg, total, retention[method][-1], forget, summary[setting][method]["backward_transfer"]]
+            lines.append(f"| {setting} | {method} | {len(runs)} | " + " | ".join(map(_fmt, row)) + " |")
         tag = f"setting{n}"
         figures.append(
             (
@@ -212,13 +220,22 @@ def aggregate(
             )
         )
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    table = "\n".join(lines) + "\n"
+    table = "\n".join(lines) + "\n\n" + _LEGEND
     (out_dir / "table.md").write_text(table)
     report = ["# Sweep report", "", table]
     for setting, pngs in figures:
         report += [f"## {setting}", ""] + [f"![{p.stem}](results/{p.name})" for p in pngs] + [""]
     (out_dir.parent / "report.md").write_text("\n".join(report))
     return summary
+
+
+_LEGEND = (
+    "Mean ± the half-width of the two-sided 95% t interval over seeds (no interval with one seed). "
+    "Stage average: the mean over stages of the mean over domains; final total: the sum over domains "
+    "after the last stage; first-domain retention: the first domain's score after the last stage; "
+    "forgetting: its best score minus its final one; BWT: backward transfer "
+    "(hamo_ray/evaluation/metrics.py).\n"
+)
 
 
 def _fmt(r: dict) -> str:

@@ -129,3 +129,34 @@ def test_serve_print_config_prints_the_resolved_config_without_the_key(tmp_path)
         timeout=120,
     )
     assert empty.returncode == 2 and "no config.yaml" in empty.stderr
+
+
+def test_aggregate_leaves_out_unfinished_cells_and_reports_every_column(tmp_path):
+    """A cell that failed or was interrupted after some stages does not enter the means (nor crash them)."""
+    from hamo_ray.sweep import aggregate
+
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(
+        yaml.safe_dump(
+            {
+                "base": str(ROOT / "jobs" / "configs" / "tiny.yaml"),
+                "root": str(tmp_path / "runs"),
+                "grid": {"method": ["hamo"], "seed": [0, 1, 2]},
+            }
+        )
+    )
+    cells = expand_cells(*load_sweep(sweep_file))
+    finished = {0: [30.0, 40.0], 1: [34.0, 38.0]}  # seed -> stage scores; seed 2 stopped after stage 0
+    for name, cfg in cells:
+        scores = [{"scienceworld": v} for v in finished.get(cfg.run.seed, [])]
+        metrics = summarize(scores, ["scienceworld"] * len(scores), {"scienceworld": 20.0})
+        path = Path(cfg.run.root) / name / "results" / "metrics.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(metrics))
+    summary = aggregate(cells, tmp_path / "out")
+    (row,) = summary.values()
+    assert row["hamo"]["seeds"] == 2
+    assert row["hamo"]["average"]["mean"] == pytest.approx((35.0 + 36.0) / 2)
+    assert row["hamo"]["retention"][-1]["mean"] == pytest.approx(39.0)
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert "first-domain retention" in table and "BWT" in table and "| hamo | 2 |" in table
