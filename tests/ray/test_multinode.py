@@ -86,6 +86,13 @@ def _json(text: str):
     return json.loads(text[min(starts) :]) if starts else []
 
 
+def _start(args: list[str], env: dict, log: Path) -> subprocess.Popen:
+    """``ray start <args> --block`` in its own process group, its output in ``log`` (for a post-mortem)."""
+    with log.open("w") as out:
+        return subprocess.Popen([RAY, "start", *args], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+
+
 def _driver_log(temp: str, job: str) -> str:
     """The job driver's log, read from the head's session folder (cheaper than `ray job logs` on 2 cores)."""
     path = Path(temp) / "session_latest" / "logs" / f"job-driver-{job}.log"
@@ -133,11 +140,13 @@ def test_stream_across_nodes_survives_a_lost_rollout_node(tmp_path, request, sto
     procs: dict[str, subprocess.Popen] = {}
     passed = False
     try:
-        procs["head"] = subprocess.Popen(
-            [RAY, "start", "--head", f"--port={gcs}", "--num-cpus=4", f"--temp-dir={temp}",
-             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+        # `ray start` output goes to ray-start-<node>.log; the client server's fixed default port (10001)
+        # would clash with another head on this machine.
+        procs["head"] = _start(
+            ["--head", f"--port={gcs}", "--num-cpus=4", f"--temp-dir={temp}", "--include-dashboard=true",
+             "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--ray-client-server-port={_free_port()}",
              *_node_args("head", HEAD)],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            env, tmp_path / "ray-start-head.log",
         )  # fmt: skip
         address = f"http://127.0.0.1:{dash}"
 
@@ -153,6 +162,10 @@ def test_stream_across_nodes_survives_a_lost_rollout_node(tmp_path, request, sto
             while time.time() < deadline:
                 if len(nodes := alive()) >= count:
                     return nodes
+                for name, proc in procs.items():  # a `ray start --block` that exited: its node is gone
+                    if proc.poll() is not None:
+                        log = (tmp_path / f"ray-start-{name}.log").read_text(errors="replace")
+                        raise AssertionError(f"`ray start` of the {name} node exited: {log[-3000:]}")
                 time.sleep(3)
             raise AssertionError(f"only {len(alive())} of {count} Ray nodes came up")
 
@@ -162,10 +175,10 @@ def test_stream_across_nodes_survives_a_lost_rollout_node(tmp_path, request, sto
             # Each node its own temp dir, as on separate machines: a worker node otherwise uses the head's,
             # and its runtime-env agent re-extracts the job's working_dir (rmtree, then unzip) into the
             # folder that is the running driver's cwd (ModuleNotFoundError, FileNotFoundError on resolve()).
-            procs[name] = subprocess.Popen(
-                [RAY, "start", f"--address=127.0.0.1:{gcs}", f"--num-cpus={cpus}", f"--temp-dir={temp}/{name[0]}",
+            procs[name] = _start(
+                [f"--address=127.0.0.1:{gcs}", f"--num-cpus={cpus}", f"--temp-dir={temp}/{name[0]}",
                  *_node_args(name, resources)],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                env, tmp_path / f"ray-start-{name}.log",
             )  # fmt: skip
             nodes = wait_for(n)
         node_of = {  # node name -> node id, by each node's own marker resource
