@@ -158,22 +158,28 @@ def aggregate(
                 cfg.protocol.stages,
             )
             continue
+        metrics["seed"] = cfg.run.seed  # pairs each method's run with the base run of the same seed
         groups.setdefault(setting_of(cfg, vary), {}).setdefault(cfg.method.name, []).append(metrics)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {}
     lines = [
-        "| setting | method | seeds | stage average | final total | first-domain retention "
+        "| setting | method | seeds | stage average | vs base (paired) | final total | first-domain retention "
         "| forgetting (first domain) | BWT |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     figures = []
     for n, (setting, methods) in enumerate(sorted(groups.items())):
         curves, retention, first_stage = {}, {}, 1
         summary[setting] = {}
+        base_avg = {r["seed"]: _stage_average(r) for r in methods.get("base", [])}
         for method, runs in sorted(methods.items()):
             domains = sorted(runs[0]["stage_scores"])
             first = runs[0]["first_domain"]
-            avg = mean_interval([sum(r["average"].values()) / len(r["average"]) for r in runs])
+            avg = mean_interval([_stage_average(r) for r in runs])
+            # The same seed samples the same way in every method: differences to base cancel that luck.
+            paired = mean_interval(
+                [_stage_average(r) - base_avg[r["seed"]] for r in runs if r["seed"] in base_avg]
+            )
             total = mean_interval([r["final_total"] for r in runs])
             forget = mean_interval([r["forgetting"].get(first, 0.0) for r in runs])
             stages = len(runs[0]["stage_scores"][domains[0]])
@@ -192,6 +198,7 @@ def aggregate(
             summary[setting][method] = {
                 "seeds": len(runs),
                 "average": avg,
+                "vs_base": paired,
                 "final_total": total,
                 "forgetting_first": forget,
                 "stage_scores": curves[method],
@@ -199,7 +206,14 @@ def aggregate(
                 "backward_transfer": mean_interval([r["backward_transfer"] for r in runs]),
                 "forward_transfer": mean_interval([r["forward_transfer"] for r in runs]),
             }
-            row = [avg, total, retention[method][-1], forget, summary[setting][method]["backward_transfer"]]
+            row = [
+                avg,
+                paired,
+                total,
+                retention[method][-1],
+                forget,
+                summary[setting][method]["backward_transfer"],
+            ]
             lines.append(f"| {setting} | {method} | {len(runs)} | " + " | ".join(map(_fmt, row)) + " |")
         tag = f"setting{n}"
         figures.append(
@@ -231,11 +245,16 @@ def aggregate(
 
 _LEGEND = (
     "Mean ± the half-width of the two-sided 95% t interval over seeds (no interval with one seed). "
-    "Stage average: the mean over stages of the mean over domains; final total: the sum over domains "
+    "Stage average: the mean over stages of the mean over domains; vs base (paired): the stage average "
+    "minus the base method's of the same seed, then mean ± interval over seeds; final total: the sum over domains "
     "after the last stage; first-domain retention: the first domain's score after the last stage; "
     "forgetting: its best score minus its final one; BWT: backward transfer "
     "(hamo_ray/evaluation/metrics.py).\n"
 )
+
+
+def _stage_average(metrics: dict) -> float:
+    return sum(metrics["average"].values()) / len(metrics["average"])
 
 
 def _fmt(r: dict) -> str:

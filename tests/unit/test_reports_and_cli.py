@@ -160,3 +160,30 @@ def test_aggregate_leaves_out_unfinished_cells_and_reports_every_column(tmp_path
     assert row["hamo"]["retention"][-1]["mean"] == pytest.approx(39.0)
     table = (tmp_path / "out" / "table.md").read_text()
     assert "first-domain retention" in table and "BWT" in table and "| hamo | 2 |" in table
+    assert row["hamo"]["vs_base"]["n"] == 0  # no base method in this grid: nothing to pair with
+
+
+def test_aggregate_pairs_each_method_with_base_of_the_same_seed(tmp_path):
+    """Seed luck shared by the methods cancels in the paired difference to base."""
+    from hamo_ray.sweep import aggregate
+
+    sweep_file = tmp_path / "sweep.yaml"
+    grid = {"method": ["base", "hamo"], "seed": [0, 1, 2]}
+    sweep_file.write_text(
+        yaml.safe_dump(
+            {"base": str(ROOT / "jobs" / "configs" / "tiny.yaml"), "root": str(tmp_path), "grid": grid}
+        )
+    )
+    cells = expand_cells(*load_sweep(sweep_file))
+    luck = {0: 0.0, 1: 10.0, 2: -10.0}
+    for name, cfg in cells:
+        v = 30.0 + luck[cfg.run.seed] + (3.0 if cfg.method.name == "hamo" else 0.0)
+        metrics = summarize([{"scienceworld": v}, {"scienceworld": v}], ["scienceworld"] * 2, None)
+        path = Path(cfg.run.root) / name / "results" / "metrics.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(metrics))
+    (row,) = aggregate(cells, tmp_path / "out").values()
+    assert row["hamo"]["average"]["ci_high"] - row["hamo"]["average"]["mean"] > 20  # wide: seed luck
+    assert row["hamo"]["vs_base"]["mean"] == pytest.approx(3.0)
+    assert row["hamo"]["vs_base"]["std"] == pytest.approx(0.0)  # paired: the luck cancels
+    assert row["base"]["vs_base"]["mean"] == pytest.approx(0.0)
