@@ -28,6 +28,7 @@ unless the store already holds the same files, and published by its name in the 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -51,6 +52,32 @@ def local_cpus(ray_cfg: RayConfig) -> int:
     room for the embedding actor and the memory pipeline stalls.
     """
     return ray_cfg.num_cpus or max(8, 4 * (os.cpu_count() or 1))
+
+
+def job_working_dir() -> str | None:
+    """The runtime_env ``working_dir`` of the Ray job this driver runs in (``ray job submit``), else None."""
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")  # what Ray's job supervisor gives its driver
+    try:
+        return (json.loads(raw)["runtime_env"].get("working_dir") or None) if raw else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def check_cluster_paths(root: str, key: str = "run.root") -> None:
+    """Refuse a relative ``run.root`` in a job with a working_dir.
+
+    The driver's cwd is then Ray's copy of the working_dir inside the head node's Ray session folder:
+    a run folder there is seen by no other node (Serve replicas load adapters from it), is deleted
+    with the session and is not found by a resubmission with changed code (a new copy).
+
+    Raises:
+        ConfigError: naming ``key`` (``run.root``, or a sweep's ``root``).
+    """
+    if not Path(root).expanduser().is_absolute() and job_working_dir():
+        raise ConfigError(
+            f"{key}: {root!r} is relative, and this job runs in Ray's temporary copy of its working_dir "
+            "on the head node; give a folder every node sees, e.g. {key}=/mnt/shared/hamo/runs"
+        )
 
 
 def cluster_address(ray_cfg: RayConfig) -> str | None:

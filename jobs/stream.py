@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -41,32 +40,6 @@ from hamo_ray.config import ConfigError, load_config  # noqa: E402
 from hamo_ray.logs import setup_logging  # noqa: E402
 
 logger = logging.getLogger("hamo_ray.jobs.stream")
-
-
-def job_working_dir() -> str | None:
-    """The runtime_env ``working_dir`` of the Ray job this driver runs in (``ray job submit``), else None."""
-    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")  # what Ray's job supervisor gives its driver
-    try:
-        return (json.loads(raw)["runtime_env"].get("working_dir") or None) if raw else None
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-def check_cluster_paths(root: str) -> None:
-    """Refuse a relative ``run.root`` in a job with a working_dir.
-
-    The driver's cwd is then Ray's copy of the working_dir inside the head node's Ray session folder:
-    a run folder there is seen by no other node (Serve replicas load adapters from it), is deleted
-    with the session and is not found by a resubmission with changed code (a new copy).
-
-    Raises:
-        ConfigError: naming ``run.root``.
-    """
-    if not Path(root).expanduser().is_absolute() and job_working_dir():
-        raise ConfigError(
-            f"run.root: {root!r} is relative, and this job runs in Ray's temporary copy of its working_dir "
-            "on the head node; give a folder every node sees, e.g. run.root=/mnt/shared/hamo/runs"
-        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
             dry_run(cfg)
             return 0
+        from hamo_ray.runtime import check_cluster_paths
         from hamo_ray.stream import Stream
 
         check_cluster_paths(cfg.run.root)

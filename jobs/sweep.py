@@ -6,7 +6,10 @@ On this machine (joins the Ray cluster a ``ray start`` runs here, else starts a 
 
 Against a cluster::
 
-    ray job submit --working-dir . -- python jobs/sweep.py --config jobs/configs/sweep-tiny.yaml
+    ray job submit --working-dir . -- python jobs/sweep.py --config jobs/configs/sweep-tiny.yaml \
+        root=/mnt/shared/hamo/sweep-tiny
+
+(a relative ``root`` is refused there: it would lie in Ray's temporary copy of the working dir).
 
 Finished cells are skipped; resubmitting a killed sweep resumes it. Results: ``<root>/results/``
 (summary.json, table.md, plots) and ``<root>/report.md``. See hamo_ray/sweep.py for the file format.
@@ -54,11 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="sweep-level overrides, e.g. root=runs/x parallel=2")
     args = parser.parse_args(argv)
     setup_logging()
+    from hamo_ray.runtime import check_cluster_paths
     from hamo_ray.stream import Stream
     from hamo_ray.sweep import aggregate, expand_cells, load_sweep
 
     try:
         sweep, base = load_sweep(args.config, args.overrides)
+        check_cluster_paths(sweep.root, "root")  # every cell's run folder lives under it
         cells = expand_cells(sweep, base)
         for name, cfg in cells:  # a shared endpoint loads adapters from the sweep root, not a store
             if cfg.serve.adapter_store:

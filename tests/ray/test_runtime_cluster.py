@@ -122,3 +122,12 @@ def test_a_submitted_job_refuses_a_relative_run_root(tmp_path):
     assert out.returncode == 2 and "model.path" in out.stderr and "run.root" not in out.stderr, out.stderr[
         -2000:
     ]
+    # A sweep's root holds every cell's run folder: the same rule, naming the sweep's key.
+    sweep = [
+        sys.executable,
+        str(ROOT / "jobs" / "sweep.py"),
+        "--config",
+        str(ROOT / "jobs/configs/sweep-tiny.yaml"),
+    ]
+    out = subprocess.run(sweep, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "root: 'runs/sweep-tiny' is relative" in out.stderr, out.stderr[-2000:]
