@@ -131,21 +131,19 @@ def test_serve_print_config_prints_the_resolved_config_without_the_key(tmp_path)
     assert empty.returncode == 2 and "no config.yaml" in empty.stderr
 
 
+def _tiny_cells(tmp_path: Path, grid: dict) -> list:
+    """The cells of a sweep over tiny.yaml with ``grid``, rooted in ``tmp_path``."""
+    sweep_file = tmp_path / "sweep.yaml"
+    base = str(ROOT / "jobs" / "configs" / "tiny.yaml")
+    sweep_file.write_text(yaml.safe_dump({"base": base, "root": str(tmp_path / "runs"), "grid": grid}))
+    return expand_cells(*load_sweep(sweep_file))
+
+
 def test_aggregate_leaves_out_unfinished_cells_and_reports_every_column(tmp_path):
     """A cell that failed or was interrupted after some stages does not enter the means (nor crash them)."""
     from hamo_ray.sweep import aggregate
 
-    sweep_file = tmp_path / "sweep.yaml"
-    sweep_file.write_text(
-        yaml.safe_dump(
-            {
-                "base": str(ROOT / "jobs" / "configs" / "tiny.yaml"),
-                "root": str(tmp_path / "runs"),
-                "grid": {"method": ["hamo"], "seed": [0, 1, 2]},
-            }
-        )
-    )
-    cells = expand_cells(*load_sweep(sweep_file))
+    cells = _tiny_cells(tmp_path, {"method": ["hamo"], "seed": [0, 1, 2]})
     finished = {0: [30.0, 40.0], 1: [34.0, 38.0]}  # seed -> stage scores; seed 2 stopped after stage 0
     for name, cfg in cells:
         scores = [{"scienceworld": v} for v in finished.get(cfg.run.seed, [])]
@@ -167,14 +165,7 @@ def test_aggregate_pairs_each_method_with_base_of_the_same_seed(tmp_path):
     """Seed luck shared by the methods cancels in the paired difference to base."""
     from hamo_ray.sweep import aggregate
 
-    sweep_file = tmp_path / "sweep.yaml"
-    grid = {"method": ["base", "hamo"], "seed": [0, 1, 2]}
-    sweep_file.write_text(
-        yaml.safe_dump(
-            {"base": str(ROOT / "jobs" / "configs" / "tiny.yaml"), "root": str(tmp_path), "grid": grid}
-        )
-    )
-    cells = expand_cells(*load_sweep(sweep_file))
+    cells = _tiny_cells(tmp_path, {"method": ["base", "hamo"], "seed": [0, 1, 2]})
     luck = {0: 0.0, 1: 10.0, 2: -10.0}
     for name, cfg in cells:
         v = 30.0 + luck[cfg.run.seed] + (3.0 if cfg.method.name == "hamo" else 0.0)
