@@ -137,6 +137,9 @@ class EnvConfig(_Cfg):
     webshop_url: str | None = None  # env server base URL (AgentGym API), for webshop_backend=http
     webshop_products: int = 3000  # stand-in catalogue size (text_env: 100, 1000 or 100000 picks its index)
     webshop_seed: int = 0  # stand-in catalogue and instructions
+    # Stand-in product ids: "asin" (WebShop's B0 + 8 letters/digits) or "short" (B0 + 4 digits, at most
+    # 5,000 products): the same catalogue, ids a tiny model can copy from a results page into a click.
+    webshop_ids: Literal["asin", "short"] = "asin"
     textworld_games_dir: str | None = None  # generated TextWorld games; default ~/.cache/hamo_ray/textworld
     # Expert trajectories: the simulator's expert ("simulator": gold paths, walkthroughs, the stand-in's
     # plan) or files in the AgentGym / ETO conversation format ("file": hamo_ray/envs/expert_data.py).

@@ -47,6 +47,13 @@ def backbone_key(cfg: HamoConfig) -> str:
         "max_seq_len": cfg.train.max_seq_len,
         "seed": 0,
     }
+    # The data behind a domain's experts, where a setting changes it (not in the key before: kept out for
+    # ScienceWorld-only configs so that their cached backbones stay valid).
+    env = cfg.env
+    if "webshop" in cfg.domains():
+        payload["webshop"] = [env.webshop_backend, env.webshop_products, env.webshop_seed, env.webshop_ids]
+    if "alfworld" in cfg.domains():
+        payload["alfworld"] = [env.alfworld_games, env.alfworld_seed, env.alfworld_games_per_task]
     return hashlib.sha1(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 

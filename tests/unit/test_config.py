@@ -74,3 +74,17 @@ def test_resolved_config_round_trips(tmp_path):
     f = tmp_path / "resolved.yaml"
     f.write_text(cfg.to_yaml())
     assert load_config(f) == cfg
+
+
+def test_backbone_key_follows_the_experts_data() -> None:
+    """A setting that changes a domain's expert data changes the cached backbone's key; others do not."""
+    from hamo_ray.training.backbone import backbone_key
+
+    cross = "jobs/configs/tiny-cross.yaml"
+    base = backbone_key(load_config(cross, []))
+    assert backbone_key(load_config(cross, ["env.webshop_ids=short"])) != base
+    assert backbone_key(load_config(cross, ["env.alfworld_seed=1"])) != base
+    assert backbone_key(load_config(cross, ["train.lr=1e-3"])) == base
+    # ScienceWorld-only: WebShop and ALFWorld settings do not touch the key (cached backbones stay valid)
+    sw = backbone_key(load_config("jobs/configs/tiny.yaml", []))
+    assert backbone_key(load_config("jobs/configs/tiny.yaml", ["env.webshop_ids=short"])) == sw

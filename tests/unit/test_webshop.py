@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -259,3 +260,32 @@ def test_standin_goals_keep_webshop_splits(server: StandinServer) -> None:
     assert not seen["train"] & seen["test"] and len(seen["train"]) == 40
     with pytest.raises(ValueError, match="12087"):
         standin_task(server.catalog, 12087)
+
+
+def test_short_ids_keep_the_catalogue() -> None:
+    """``ids="short"``: the same products and instructions, ids B0 + 4 digits, clickable in lower case."""
+    asin, short = build_catalog.__wrapped__(3, 200), build_catalog.__wrapped__(3, 200, "short")
+    assert all(len(a) == 10 for a in asin.products) and all(
+        re.fullmatch(r"B0\d{4}", a) for a in short.products
+    )
+    assert len(short.products) == len(asin.products) == 200
+    by_order = dict(zip(asin.products, short.products, strict=True))  # same draw order
+    for a, s in by_order.items():
+        assert asin.products[a].title == short.products[s].title and short.products[s].asin == s
+    assert [g.instruction_text for g in asin.goals["beauty"]] == [
+        g.instruction_text for g in short.goals["beauty"]
+    ]
+    cfg = EnvConfig(domain="webshop", webshop_products=200, webshop_seed=3, webshop_ids="short")
+    domain = get_domain("webshop", cfg)
+    task = domain.tasks("dev", "beauty", limit=1)[0]
+    env = domain.make_env()
+    env.reset(task)
+    actions = env.expert_actions()
+    assert any(re.fullmatch(r"click\[b0\d{4}\]", a) for a in actions)
+    for action in actions:
+        result = env.step(action)
+    assert result.done and result.score > 0
+    with pytest.raises(ConfigError, match="webshop_products=6000"):
+        get_domain("webshop", EnvConfig(webshop_products=6000, webshop_ids="short")).tasks("test", "beauty")
+    with pytest.raises(ValueError, match="webshop_ids"):
+        build_catalog.__wrapped__(0, 200, "long")

@@ -36,7 +36,7 @@ class WebShopDomain(Domain):
 
     Raises:
         ConfigError: ``webshop_backend=http`` without ``webshop_url``; (on first use) a stand-in
-            catalogue smaller than 50 products.
+            catalogue smaller than 50 products, or short ids with over 5,000.
     """
 
     env_memory_mb = 50  # resource hint per environment (measured well below this)
@@ -50,9 +50,9 @@ class WebShopDomain(Domain):
         from hamo_ray.envs.webshop.catalog import build_catalog
 
         try:
-            return build_catalog(self.cfg.webshop_seed, self.cfg.webshop_products)
+            return build_catalog(self.cfg.webshop_seed, self.cfg.webshop_products, self.cfg.webshop_ids)
         except ValueError as err:
-            raise ConfigError(f"env.webshop_products: {err}") from None
+            raise ConfigError(f"env.{err}") from None  # the message starts with the key: webshop_products=...
 
     def task_types(self) -> list[str]:
         if self.cfg.webshop_backend == "standin":

@@ -17,7 +17,7 @@ the instruction's index in its category: train ``[0, a)``, dev ``[a, b)``, test 
 
 Usage::
 
-    cat = build_catalog(seed=0, num_products=3000)      # cached per (seed, num_products)
+    cat = build_catalog(seed=0, num_products=3000)      # cached per (seed, num_products, ids)
     goal = cat.goal("fashion", 5)
     product = cat.products[goal.asin]
 """
@@ -142,6 +142,7 @@ _TEMPLATES = (
     "i want to buy {attrs} {noun}",
     "please find {attrs} {noun}",
 )
+MAX_SHORT_ID_PRODUCTS = 5000  # 4-digit ids: keep the id space at least half empty
 _BLURBS = ("for everyday use", "built to last", "tested for quality", "a customer favorite", "great value")
 
 
@@ -200,10 +201,22 @@ def _price_upper(rng: random.Random, price: float) -> float:
     return sorted(rng.sample(candidates, 2))[1]
 
 
-def _make_product(rng: random.Random, category: str, spec: tuple, brand: str, asins: set[str]) -> Product:
+def _make_product(
+    rng: random.Random,
+    category: str,
+    spec: tuple,
+    brand: str,
+    asins: set[str],
+    short_ids: random.Random | None = None,
+) -> Product:
     noun, query, path, pool, option_pools, (lo, hi) = spec
     while (asin := "B0" + "".join(rng.choices(string.ascii_uppercase + string.digits, k=8))) in asins:
         pass
+    if short_ids is not None:
+        # The same draws as an ASIN (the rest of the catalogue is unchanged), then a short digit id from a
+        # separate generator: "B0" + 4 digits, the same tokens whether shown ("B01234") or clicked ("b01234").
+        while (asin := f"B0{short_ids.randrange(10_000):04d}") in asins:
+            pass
     asins.add(asin)
     attrs = tuple(rng.sample(pool, 3))
     options = {
@@ -270,15 +283,27 @@ def _make_goal(rng: random.Random, product: Product, seen: set[str]) -> Goal | N
 
 
 @functools.lru_cache(maxsize=4)
-def build_catalog(seed: int = 0, num_products: int = 3000) -> Catalog:
+def build_catalog(seed: int = 0, num_products: int = 3000, ids: str = "asin") -> Catalog:
     """Generate the catalogue, its instructions and its search index (~0.5 s for 3,000 products).
 
+    ``ids``: ``"asin"`` (WebShop's form, ``B0`` + 8 letters and digits) or ``"short"`` (``B0`` + 4 digits,
+    for small models that cannot learn to copy a mixed-case id; the same products and instructions).
+
     Raises:
-        ValueError: fewer than 10 products per category (the splits would be empty).
+        ValueError: fewer than 10 products per category (the splits would be empty); ``ids="short"``
+            with more than 5,000 products; an unknown ``ids``.
     """
     if num_products < 10 * len(CATEGORIES):
         raise ValueError(f"webshop_products={num_products}: need at least {10 * len(CATEGORIES)}")
+    if ids not in ("asin", "short"):
+        raise ValueError(f"webshop_ids={ids!r}: expected 'asin' or 'short'")
+    if ids == "short" and num_products > MAX_SHORT_ID_PRODUCTS:
+        raise ValueError(
+            f"webshop_products={num_products}: at most {MAX_SHORT_ID_PRODUCTS} with webshop_ids=short"
+            " (4-digit ids)"
+        )
     rng = random.Random(seed)
+    short_ids = random.Random(f"short-ids-{seed}") if ids == "short" else None
     brands = _brands(rng, 60)
     asins: set[str] = set()
     products: dict[str, Product] = {}
@@ -294,6 +319,7 @@ def build_catalog(seed: int = 0, num_products: int = 3000) -> Catalog:
                 PRODUCT_TYPES[category][i % len(PRODUCT_TYPES[category])],
                 rng.choice(brands),
                 asins,
+                short_ids,
             )
             for i in range(per_category)
         ]
