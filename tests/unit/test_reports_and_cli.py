@@ -178,3 +178,36 @@ def test_aggregate_pairs_each_method_with_base_of_the_same_seed(tmp_path):
     assert row["hamo"]["vs_base"]["mean"] == pytest.approx(3.0)
     assert row["hamo"]["vs_base"]["std"] == pytest.approx(0.0)  # paired: the luck cancels
     assert row["base"]["vs_base"]["mean"] == pytest.approx(0.0)
+
+
+def test_learning_benchmark_tables_a_finished_sweep(tmp_path):
+    """benchmarks/learning.py --aggregate-only: one row per method of the sweep's summary, run nothing."""
+    from hamo_ray.sweep import aggregate
+
+    cells = _tiny_cells(tmp_path, {"method": ["base", "hamo"], "seed": [0, 1]})
+    for name, cfg in cells:
+        v = 30.0 + cfg.run.seed + (4.0 if cfg.method.name == "hamo" else 0.0)
+        metrics = summarize([{"scienceworld": v}, {"scienceworld": v + 1}], ["scienceworld"] * 2, None)
+        path = Path(cfg.run.root) / name / "results" / "metrics.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(metrics))
+    aggregate(cells, tmp_path / "runs" / "results")
+    out_json = tmp_path / "learning.json"
+    sweep = str(tmp_path / "sweep.yaml")
+    cmd = [
+        sys.executable,
+        "benchmarks/learning.py",
+        "--aggregate-only",
+        "--sweeps",
+        sweep,
+        "--json",
+        str(out_json),
+    ]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = {r["method"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert set(rows) == {"base", "hamo"} and rows["hamo"]["seeds"] == 2
+    assert rows["hamo"]["vs_base"]["mean"] == pytest.approx(4.0)
+    assert rows["hamo"]["before"] == {"scienceworld": pytest.approx(34.5)}  # stage 1, no initial evaluation
+    line = next(x for x in out.stdout.splitlines() if x.split()[:2] == ["sweep", "hamo"])
+    assert "35.0 ± " in line and "4.0 ± 0.0" in line
