@@ -42,6 +42,7 @@ from hamo_ray.run_folder import RunFolder
 logger = logging.getLogger(__name__)
 
 LOCAL = "local"  # ray.address value that forces a private Ray
+_started_private = False  # this process started a private Ray (no Serve of ours can be running yet)
 
 
 def local_cpus(ray_cfg: RayConfig) -> int:
@@ -130,7 +131,34 @@ def start_ray(ray_cfg: RayConfig) -> bool:
     cpus = local_cpus(ray_cfg)
     ray.init(address=LOCAL, num_cpus=cpus, include_dashboard=False, configure_logging=False)
     logger.info("started a private local Ray with %d CPUs", cpus)
+    global _started_private
+    _started_private = True
     return True
+
+
+def check_serve_port(cfg: HamoConfig) -> None:
+    """Refuse, before any work, a ``serve.port`` that another process on this machine listens on.
+
+    Only after this process started a private Ray: then nothing of ours can be listening there yet, and
+    a second run or sweep on the same machine would otherwise build its backbone (minutes) before its
+    endpoint fails to start. A joined cluster may already run Serve on that port: no check.
+
+    Raises:
+        ConfigError: the port is taken, naming ``serve.port``.
+    """
+    import socket
+
+    if not _started_private:
+        return
+    host = "127.0.0.1" if cfg.serve.host in ("0.0.0.0", "::", "") else cfg.serve.host
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.settimeout(2.0)
+        taken = sock.connect_ex((host, cfg.serve.port)) == 0
+    if taken:
+        raise ConfigError(
+            f"serve.port={cfg.serve.port}: {host}:{cfg.serve.port} is already taken by another process "
+            "(another run or sweep on this machine?); choose a free serve.port"
+        )
 
 
 @dataclass(frozen=True)

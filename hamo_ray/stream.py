@@ -27,7 +27,7 @@ from pathlib import Path
 from hamo_ray.config import ConfigError, HamoConfig
 from hamo_ray.memory.pipeline import release_internalised, training_experience
 from hamo_ray.run_folder import PhaseClock, RunFolder
-from hamo_ray.runtime import Endpoint, Services, start_ray
+from hamo_ray.runtime import Endpoint, Services, check_serve_port, start_ray
 from hamo_ray.steps import (
     EnvPools,
     distil,
@@ -135,9 +135,11 @@ class Stream:
             return done
         from hamo_ray.tracking import Tracker, stage_scalars
 
+        start_ray(self.cfg.ray)
+        if base_url is None:  # this run starts its own endpoint: refuse a taken port before any work
+            check_serve_port(self.cfg)
         tracker = Tracker(self.folder.path, self.cfg.run.tracking, "stream", self.cfg.model_dump(mode="json"))
         self.tracker = tracker
-        start_ray(self.cfg.ray)
         self.services = Services(
             self.cfg, self.folder, self.cfg.method.uses_memory, shared_url=base_url, run_id=self.run_id
         )

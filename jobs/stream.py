@@ -73,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
 
         check_cluster_paths(cfg.run.root)
         stream = Stream(cfg, config_name=Path(args.config).stem if args.config else "run")
+        results = stream.run()  # a taken serve.port is refused here, before any work
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    results = stream.run()
     print(f"run folder: {stream.folder.path}")
     print("stage  domain          score")
     for r in results:

@@ -79,6 +79,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--- # {name}\n{cfg.to_yaml()}", end="")
         return 0
     todo = [name for name, _ in cells if not streams[name].finished]
+    if todo:
+        from hamo_ray.runtime import check_serve_port, start_ray
+
+        first = dict(cells)[todo[0]]
+        start_ray(first.ray)
+        try:  # the cells' shared endpoints listen on the first cell's serve.port
+            check_serve_port(first)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     logger.info("sweep: %d cells, %d to run, %d finished", len(cells), len(todo), len(cells) - len(todo))
     failed = run_cells(sweep, cells, streams, todo) if todo else []
     summary = aggregate(cells, Path(sweep.root) / "results", list(sweep.grid.vary))

@@ -131,3 +131,41 @@ def test_a_submitted_job_refuses_a_relative_run_root(tmp_path):
     ]
     out = subprocess.run(sweep, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "root: 'runs/sweep-tiny' is relative" in out.stderr, out.stderr[-2000:]
+
+
+def test_a_taken_serve_port_is_refused_before_any_work(tmp_path):
+    """A second run or sweep on one machine, on a port another process holds: exit 2 naming serve.port,
+    before the backbone is built (minutes) and before anything is written into a run folder's stages."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONPATH": str(ROOT)}
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        common = [f"serve.port={port}", "ray.address=local", "ray.num_cpus=2"]
+        common.append(f"backbone.cache_dir={tmp_path / 'backbones'}")
+        stream = [sys.executable, "jobs/stream.py", "--config", "jobs/configs/tiny.yaml"]
+        out = subprocess.run(
+            [*stream, f"run.root={tmp_path / 'runs'}", *common],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 2 and f"serve.port={port}: " in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
+        sweep_file = tmp_path / "sweep.yaml"
+        sweep_file.write_text(
+            json.dumps(
+                {
+                    "base": str(ROOT / "jobs" / "configs" / "tiny.yaml"),
+                    "root": str(tmp_path / "sweep"),
+                    "overrides": common,
+                    "grid": {"method": ["base"]},
+                }
+            )
+        )
+        sweep = [sys.executable, "jobs/sweep.py", "--config", str(sweep_file)]
+        out = subprocess.run(sweep, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2 and f"serve.port={port}: " in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "backbones").exists()  # no build was started
