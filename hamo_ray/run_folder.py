@@ -132,12 +132,15 @@ class RunFolder:
             return
         saved = yaml.safe_load(saved_file.read_text())
         now = self.cfg.model_dump(mode="json")
+        # A key the saved config lacks was added to the code after the run started: it holds its default
+        # (the run did what the default does), so a resume after an upgrade is not refused for it.
+        defaults = HamoConfig().model_dump(mode="json")
         diffs = [
             f"{section}.{key}"
             for section, values in now.items()
             if section not in _RESUMABLE_KEYS
             for key, value in values.items()
-            if saved.get(section, {}).get(key) != value
+            if saved.get(section, {}).get(key, defaults.get(section, {}).get(key)) != value
         ]
         if diffs:
             raise ConfigError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from hamo_ray.config import ConfigError, load_config
 from hamo_ray.run_folder import RunFolder
@@ -75,6 +76,13 @@ def test_finished_run_is_not_overwritten_silently(tmp_path):
     changed = _cfg(tmp_path, "run.id=r1", "train.epochs=9")
     with pytest.raises(ConfigError, match="train.epochs"):
         RunFolder(tmp_path / "r1", changed).prepare()
+    # A key added to the code after the run started (absent from its config.yaml) is its default: the
+    # run resumes; a non-default value for it is a change.
+    saved = yaml.safe_load((tmp_path / "r1" / "config.yaml").read_text())
+    del saved["env"]["webshop_ids"]
+    (tmp_path / "r1" / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(ConfigError, match="env.webshop_ids"):
+        RunFolder(tmp_path / "r1", _cfg(tmp_path, "run.id=r1", "env.webshop_ids=short")).prepare()
     # Same config: resumes with the committed stage; the state is untouched.
     assert [s.stage for s in RunFolder(tmp_path / "r1", cfg).prepare()] == [1]
     state = json.loads((tmp_path / "r1" / "state.json").read_text())
