@@ -83,12 +83,14 @@ def main(argv: list[str] | None = None) -> int:
         from hamo_ray.runtime import check_serve_port, start_ray
 
         first = dict(cells)[todo[0]]
-        start_ray(first.ray)
         try:  # the cells' shared endpoints listen on the first cell's serve.port
+            start_ray(first.ray)
             check_serve_port(first)
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
+        except Exception as exc:  # Ray did not start: each cell fails with it below, traceback saved
+            logger.warning("sweep: Ray did not start (%s); the cells will try again", exc)
     logger.info("sweep: %d cells, %d to run, %d finished", len(cells), len(todo), len(cells) - len(todo))
     failed = run_cells(sweep, cells, streams, todo) if todo else []
     summary = aggregate(cells, Path(sweep.root) / "results", list(sweep.grid.vary))
