@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -121,8 +122,12 @@ class TrainerGroup:
         self.key = self.key_of(tcfg)
         n = tcfg.num_workers
         bundle = {"CPU": tcfg.cpus_per_worker, **({"GPU": 1} if tcfg.use_gpu else {}), **tcfg.resources}
+        # Unique per group: streams of one job (a sweep's parallel cells, a cell retried after its
+        # process died and left its group behind) must not collide on a placement group's name.
         self.pg = placement_group(
-            [dict(bundle) for _ in range(n)], strategy=tcfg.placement_strategy, name=name
+            [dict(bundle) for _ in range(n)],
+            strategy=tcfg.placement_strategy,
+            name=f"{name}-{uuid.uuid4().hex[:8]}",
         )
         ray.get(self.pg.ready(), timeout=600)
         threads = 4 if tcfg.use_gpu else max(1, (os.cpu_count() or 1) // n)

@@ -129,6 +129,11 @@ def test_workers_live_across_stages(ray_session, backbone, tmp_path):
             )
             results.append(r)
             prev = r.path
+        other = SimpleNamespace()  # another stream of the same job (a sweep's parallel cell): its own group
+        try:
+            assert group_for(other, tcfg) is not group and len(other._train_group.workers) == 1
+        finally:
+            shutdown_group(other)
         two = group_for(holder, tcfg.model_copy(update={"num_workers": 2}))
         assert two is not group and not group.workers and len(two.workers) == 2
     finally:
