@@ -88,7 +88,15 @@ class HamoConfig(_Cfg):
             raise ValueError(
                 f"train.lora_r ({self.train.lora_r}) exceeds serve.max_lora_rank ({self.serve.max_lora_rank})"
             )
+        per_task = self.backbone.per_task
+        if isinstance(per_task, dict) and (missing := [d for d in self.domains() if d not in per_task]):
+            raise ValueError(f"backbone.per_task has no entry for domain(s) {', '.join(missing)}")
         return self
+
+    def backbone_per_task(self, domain: str) -> int:
+        """Pre-training variations per task type of ``domain`` (``backbone.per_task``, one or per domain)."""
+        per_task = self.backbone.per_task
+        return per_task[domain] if isinstance(per_task, dict) else per_task
 
     def domains(self) -> list[str]:
         """The domains of the stream, in stage order."""

@@ -116,7 +116,9 @@ class BackboneConfig(_Cfg):
     head_dim: int = 32
     intermediate_size: int = 384
     split: str = "dev"  # pre-training variations come from this split: no stage and no test set uses it
-    per_task: int = 30  # pre-training variations per task type
+    # Pre-training variations per task type; or per domain ({scienceworld: 20, alfworld: 60}), for a
+    # cross-domain stream whose domains need different amounts (every domain of the stream named).
+    per_task: int | dict[str, int] = 30
     epochs: int = 6
     lr: float = 3e-3
     batch_size: int = 16

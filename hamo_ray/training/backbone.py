@@ -139,7 +139,8 @@ def _build(cfg: HamoConfig, run_expert, storage_path: Path, path: Path) -> Path:
     trajs = []
     for name in cfg.domains():
         domain = get_domain(name, cfg.env)
-        tasks = [t for tt in cfg.task_types(name) for t in domain.tasks(bcfg.split, tt, limit=bcfg.per_task)]
+        limit = cfg.backbone_per_task(name)
+        tasks = [t for tt in cfg.task_types(name) for t in domain.tasks(bcfg.split, tt, limit=limit)]
         logger.info("backbone: %d expert episodes of %s", len(tasks), name)
         trajs += [t for t in run_expert(name, tasks) if t.error is None and t.actions and t.score > 0]
     if not trajs:

@@ -88,3 +88,16 @@ def test_backbone_key_follows_the_experts_data() -> None:
     # ScienceWorld-only: WebShop and ALFWorld settings do not touch the key (cached backbones stay valid)
     sw = backbone_key(load_config("jobs/configs/tiny.yaml", []))
     assert backbone_key(load_config("jobs/configs/tiny.yaml", ["env.webshop_ids=short"])) == sw
+
+
+def test_backbone_per_task_per_domain() -> None:
+    """``backbone.per_task`` one number, or one per domain of the stream (a missing domain is named)."""
+    from hamo_ray.training.backbone import backbone_key
+
+    cross = "jobs/configs/tiny-cross.yaml"
+    cfg = load_config(cross, ["backbone.per_task={scienceworld: 20, alfworld: 60, webshop: 40}"])
+    assert [cfg.backbone_per_task(d) for d in cfg.domains()] == [20, 60, 40]
+    assert backbone_key(cfg) != backbone_key(load_config(cross, []))
+    assert load_config(cross, []).backbone_per_task("alfworld") == 20
+    with pytest.raises(ConfigError, match="backbone.per_task has no entry for domain.*webshop"):
+        load_config(cross, ["backbone.per_task={scienceworld: 20, alfworld: 60}"])
