@@ -164,7 +164,7 @@ def _render(cfg: HamoConfig, name: str, tokenizer, out: Callable[[str], None], r
 
 def _available(cfg: HamoConfig, out: Callable[[str], None]) -> dict[str, float]:
     """What the run would get: the cluster it would join (read-only), else a private local Ray."""
-    from hamo_ray.runtime import cluster_address, local_cpus
+    from hamo_ray.cluster import cluster_address, local_cpus
 
     address = cluster_address(cfg.ray)
     if address:

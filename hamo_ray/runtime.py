@@ -1,4 +1,5 @@
-"""Everything that runs beside a stream: the Ray connection, the Serve apps, adapter publishing.
+"""Everything that runs beside a stream on Ray: the Serve apps, adapter publishing (connecting to Ray
+and the pre-flight checks are ``hamo_ray.cluster``).
 
 One owner for the stream, ``jobs/serve.py`` and ``jobs/sweep.py``, so that they start Ray, name
 their Serve applications, guard their routes and publish adapters the same way::
@@ -9,11 +10,6 @@ their Serve applications, guard their routes and publish adapters the same way::
     services.publish("stage-1", "adapters/stage-1")   # through serve.adapter_store, proven live
     spec = endpoint.spec("stage-1", cfg, seed=0, retrieval=True)   # what rollout actors act with
     services.stop()
-
-**Ray.** ``ray.address`` set: that cluster (``auto``, ``host:6379``, ``ray://...``), or ``local``
-for a private instance. Unset: ``RAY_ADDRESS`` (``ray job submit`` sets it), else the cluster a
-``ray start`` runs on this machine, as ``ray.init()`` finds it; with neither, a private local Ray.
-A private Ray advertises :func:`local_cpus` CPUs.
 
 **Serve applications.** The policy app is ``serve.app_name`` at ``serve.route_prefix``; the harness
 app is ``<app_name>-harness`` at ``<route_prefix>/harness``. A run on a shared endpoint (a sweep
@@ -28,137 +24,16 @@ unless the store already holds the same files, and published by its name in the 
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from hamo_ray.config import ConfigError, HamoConfig, RayConfig
+from hamo_ray.config import ConfigError, HamoConfig
 from hamo_ray.rollout.client import PolicySpec
 from hamo_ray.run_folder import RunFolder
 
 logger = logging.getLogger(__name__)
-
-LOCAL = "local"  # ray.address value that forces a private Ray
-_started_private = False  # this process started a private Ray (no Serve of ours can be running yet)
-
-
-def local_cpus(ray_cfg: RayConfig) -> int:
-    """CPUs a private local Ray advertises: ``ray.num_cpus``, else 4 x the cores (at least 8).
-
-    Oversubscribed on purpose: rollout actors, the harness and idle Serve replicas hold CPU shares
-    while they mostly wait; with only the physical count a cross-domain stream's actors leave no
-    room for the embedding actor and the memory pipeline stalls.
-    """
-    return ray_cfg.num_cpus or max(8, 4 * (os.cpu_count() or 1))
-
-
-def job_working_dir() -> str | None:
-    """The runtime_env ``working_dir`` of the Ray job this driver runs in (``ray job submit``), else None."""
-    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")  # what Ray's job supervisor gives its driver
-    try:
-        return (json.loads(raw)["runtime_env"].get("working_dir") or None) if raw else None
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-def check_cluster_paths(root: str, key: str = "run.root") -> None:
-    """Refuse a relative ``run.root`` in a job with a working_dir.
-
-    The driver's cwd is then Ray's copy of the working_dir inside the head node's Ray session folder:
-    a run folder there is seen by no other node (Serve replicas load adapters from it), is deleted
-    with the session and is not found by a resubmission with changed code (a new copy).
-
-    Raises:
-        ConfigError: naming ``key`` (``run.root``, or a sweep's ``root``).
-    """
-    if not Path(root).expanduser().is_absolute() and job_working_dir():
-        raise ConfigError(
-            f"{key}: {root!r} is relative, and this job runs in Ray's temporary copy of its working_dir "
-            "on the head node; give a folder every node sees, e.g. {key}=/mnt/shared/hamo/runs"
-        )
-
-
-def cluster_address(ray_cfg: RayConfig) -> str | None:
-    """The cluster to join, or None for a private local Ray (see the module docstring).
-
-    A ``ray start`` on this machine is found the way ``ray.init()`` finds it: through the address
-    file it writes in Ray's temp folder.
-    """
-    if ray_cfg.address:
-        return None if ray_cfg.address == LOCAL else ray_cfg.address
-    if os.environ.get("RAY_ADDRESS"):
-        return os.environ["RAY_ADDRESS"]
-    try:  # private to Ray, but it is what ray.init() itself reads; a Ray without it: no cluster
-        from ray._private.utils import read_ray_address
-
-        return read_ray_address() or None
-    except Exception:
-        return None
-
-
-def start_ray(ray_cfg: RayConfig) -> bool:
-    """Connect this process to Ray, unless it already is.
-
-    Args:
-        ray_cfg: ``ray.address`` and ``ray.num_cpus``.
-
-    Returns:
-        True when this call connected (the caller may ``ray.shutdown()`` at its end).
-
-    Raises:
-        ConnectionError: a configured address (``ray.address`` or ``RAY_ADDRESS``) does not answer.
-    """
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = cluster_address(ray_cfg)
-    if address is not None:
-        try:
-            ray.init(address=address, configure_logging=False)
-            logger.info("joined the Ray cluster at %s", address)
-            return True
-        except ConnectionError:
-            if ray_cfg.address or os.environ.get("RAY_ADDRESS"):
-                raise
-            # Only found on disk: a `ray start` that has since died left its address file behind.
-            logger.warning(
-                "no Ray cluster answers at %s (stale address file); starting a private one", address
-            )
-    cpus = local_cpus(ray_cfg)
-    ray.init(address=LOCAL, num_cpus=cpus, include_dashboard=False, configure_logging=False)
-    logger.info("started a private local Ray with %d CPUs", cpus)
-    global _started_private
-    _started_private = True
-    return True
-
-
-def check_serve_port(cfg: HamoConfig) -> None:
-    """Refuse, before any work, a ``serve.port`` that another process on this machine listens on.
-
-    Only after this process started a private Ray: then nothing of ours can be listening there yet, and
-    a second run or sweep on the same machine would otherwise build its backbone (minutes) before its
-    endpoint fails to start. A joined cluster may already run Serve on that port: no check.
-
-    Raises:
-        ConfigError: the port is taken, naming ``serve.port``.
-    """
-    import socket
-
-    if not _started_private:
-        return
-    host = "127.0.0.1" if cfg.serve.host in ("0.0.0.0", "::", "") else cfg.serve.host
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.settimeout(2.0)
-        taken = sock.connect_ex((host, cfg.serve.port)) == 0
-    if taken:
-        raise ConfigError(
-            f"serve.port={cfg.serve.port}: {host}:{cfg.serve.port} is already taken by another process "
-            "(another run or sweep on this machine?); choose a free serve.port"
-        )
 
 
 @dataclass(frozen=True)

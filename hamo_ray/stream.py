@@ -24,10 +24,11 @@ import logging
 from functools import cached_property
 from pathlib import Path
 
+from hamo_ray.cluster import check_serve_port, start_ray
 from hamo_ray.config import ConfigError, HamoConfig
 from hamo_ray.memory.pipeline import release_internalised, training_experience
 from hamo_ray.run_folder import PhaseClock, RunFolder
-from hamo_ray.runtime import Endpoint, Services, check_serve_port, start_ray
+from hamo_ray.runtime import Endpoint, Services
 from hamo_ray.steps import (
     EnvPools,
     distil,

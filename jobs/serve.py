@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
-    from hamo_ray.runtime import start_ray
+    from hamo_ray.cluster import start_ray
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

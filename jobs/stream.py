@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
             dry_run(cfg)
             return 0
-        from hamo_ray.runtime import check_cluster_paths
+        from hamo_ray.cluster import check_cluster_paths
         from hamo_ray.stream import Stream
 
         check_cluster_paths(cfg.run.root)

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="sweep-level overrides, e.g. root=runs/x parallel=2")
     args = parser.parse_args(argv)
     setup_logging()
-    from hamo_ray.runtime import check_cluster_paths
+    from hamo_ray.cluster import check_cluster_paths
     from hamo_ray.stream import Stream
     from hamo_ray.sweep import aggregate, expand_cells, load_sweep
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     todo = [name for name, _ in cells if not streams[name].finished]
     if todo:
-        from hamo_ray.runtime import check_serve_port, start_ray
+        from hamo_ray.cluster import check_serve_port, start_ray
 
         first = dict(cells)[todo[0]]
         try:  # the cells' shared endpoints listen on the first cell's serve.port

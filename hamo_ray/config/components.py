@@ -174,7 +174,7 @@ class RolloutConfig(_Cfg):
 
 class RayConfig(_Cfg):
     # None: RAY_ADDRESS, else the cluster a `ray start` runs on this machine, else a private local Ray
-    # (hamo_ray.runtime.start_ray); "local": always a private one; else the address to join (auto, host:port).
+    # (hamo_ray.cluster.start_ray); "local": always a private one; else the address to join (auto, host:port).
     address: str | None = None
     num_cpus: int | None = (
         None  # for a private local Ray; default: 4 x the cores, at least 8 (oversubscribed)

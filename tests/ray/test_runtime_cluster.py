@@ -1,4 +1,4 @@
-"""``hamo_ray.runtime.start_ray`` joins a running ``ray start`` cluster by default; ``ray.address=local`` does not.
+"""``hamo_ray.cluster.start_ray`` joins a running ``ray start`` cluster by default; ``ray.address=local`` does not.
 
 A real head node (``ray start --head --block``) runs with its own Ray temp folder (``RAY_TMPDIR``),
 so the address file it writes is the one ``ray.init()`` would find on a machine where a cluster
@@ -30,7 +30,7 @@ DRIVER = """
 import json, sys
 import ray
 from hamo_ray.config import RayConfig
-from hamo_ray.runtime import start_ray
+from hamo_ray.cluster import start_ray
 address = sys.argv[1] or None
 start_ray(RayConfig(address=address, num_cpus=2))
 print("RESULT", json.dumps({"gcs": ray.get_runtime_context().gcs_address,

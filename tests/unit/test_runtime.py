@@ -6,10 +6,11 @@ import json
 
 import pytest
 
+from hamo_ray.cluster import cluster_address, local_cpus
 from hamo_ray.config import ConfigError, RayConfig, load_config
 from hamo_ray.rollout.client import PolicyClient
 from hamo_ray.run_folder import PhaseClock, RunFolder
-from hamo_ray.runtime import Endpoint, Services, cluster_address, local_cpus
+from hamo_ray.runtime import Endpoint, Services
 
 
 @pytest.fixture
