@@ -211,3 +211,22 @@ def test_learning_benchmark_tables_a_finished_sweep(tmp_path):
     assert rows["hamo"]["before"] == {"scienceworld": pytest.approx(34.5)}  # stage 1, no initial evaluation
     line = next(x for x in out.stdout.splitlines() if x.split()[:2] == ["sweep", "hamo"])
     assert "35.0 ± " in line and "4.0 ± 0.0" in line
+
+
+def test_backbone_probe_never_evaluates_the_test_split(tmp_path, monkeypatch):
+    """benchmarks/backbone_probe.py: stage 0 only, as ``base``, on train-split tasks, in its own run folder."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    probe_mod = importlib.import_module("backbone_probe")
+    cfg = probe_mod.probe_config(str(ROOT / "jobs/configs/tiny.yaml"), ["method.name=hamo"], 3, str(tmp_path))
+    assert cfg.method.name == "base" and cfg.protocol.eval_initial and cfg.run.resume
+    assert cfg.run.id.endswith("-train3") and cfg.run.id.startswith("scienceworld-")
+    probe = probe_mod.make_probe(cfg)
+    assert probe.expected_stages == [0]
+    tasks = probe.test_tasks["scienceworld"]
+    assert {t.split for t in tasks} == {"train"}
+    assert len(tasks) == 3 * len(cfg.task_types("scienceworld"))
+    assert probe.folder.path == tmp_path / cfg.run.id
+    with pytest.raises(ConfigError, match="model.path"):
+        probe_mod.probe_config(str(ROOT / "jobs/configs/tiny.yaml"), ["model.path=/x"], 3, str(tmp_path))
