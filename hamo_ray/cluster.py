@@ -55,7 +55,7 @@ def check_cluster_paths(root: str, key: str = "run.root") -> None:
     if not Path(root).expanduser().is_absolute() and job_working_dir():
         raise ConfigError(
             f"{key}: {root!r} is relative, and this job runs in Ray's temporary copy of its working_dir "
-            "on the head node; give a folder every node sees, e.g. {key}=/mnt/shared/hamo/runs"
+            f"on the head node; give a folder every node sees, e.g. {key}=/mnt/shared/hamo/runs"
         )
 
 

@@ -117,6 +117,7 @@ def test_a_submitted_job_refuses_a_relative_run_root(tmp_path):
     bad = [*stream, "run.root=runs", "model.path=/nonexistent/model"]
     out = subprocess.run(bad, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "run.root: 'runs' is relative" in out.stderr, out.stderr[-2000:]
+    assert "e.g. run.root=/mnt/shared/hamo/runs" in out.stderr
     absolute = [*stream, f"run.root={tmp_path / 'runs'}", "model.path=/nonexistent/model"]
     out = subprocess.run(absolute, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "model.path" in out.stderr and "run.root" not in out.stderr, out.stderr[
