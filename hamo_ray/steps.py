@@ -37,7 +37,7 @@ def split_stages(tasks_by_type: dict[str, list[TaskSpec]], num_stages: int) -> l
 
 def domain_tasks(cfg: HamoConfig, domains: dict, name: str, split: str) -> list[TaskSpec]:
     """``split``'s tasks of domain ``name``, task type by task type (``protocol.*_per_task`` each)."""
-    limit = cfg.protocol.test_per_task if split == "test" else cfg.protocol.train_per_task
+    limit = cfg.protocol.per_task("test" if split == "test" else "train", name)
     return [t for tt in cfg.task_types(name) for t in domains[name].tasks(split, tt, limit=limit)]
 
 

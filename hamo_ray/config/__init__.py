@@ -88,9 +88,18 @@ class HamoConfig(_Cfg):
             raise ValueError(
                 f"train.lora_r ({self.train.lora_r}) exceeds serve.max_lora_rank ({self.serve.max_lora_rank})"
             )
-        per_task = self.backbone.per_task
-        if isinstance(per_task, dict) and (missing := [d for d in self.domains() if d not in per_task]):
-            raise ValueError(f"backbone.per_task has no entry for domain(s) {', '.join(missing)}")
+        domains = self.domains()
+        for key, per_task in (
+            ("backbone.per_task", self.backbone.per_task),
+            ("protocol.train_per_task", self.protocol.train_per_task),
+            ("protocol.test_per_task", self.protocol.test_per_task),
+        ):
+            if not isinstance(per_task, dict):
+                continue
+            if missing := [d for d in domains if d not in per_task]:
+                raise ValueError(f"{key} has no entry for domain(s) {', '.join(missing)}")
+            if key.startswith("protocol.") and (extra := [d for d in per_task if d not in domains]):
+                raise ValueError(f"{key} names domain(s) this stream does not run: {', '.join(extra)}")
         return self
 
     def backbone_per_task(self, domain: str) -> int:

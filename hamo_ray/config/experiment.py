@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from hamo_ray.config.base import _Cfg
+from hamo_ray.config.base import ConfigError, _Cfg
 
 
 class RunConfig(_Cfg):
@@ -169,8 +169,9 @@ class ProtocolConfig(_Cfg):
     kind: Literal["within_domain", "cross_domain"] = "within_domain"
     num_stages: int = 2  # within_domain only; cross_domain has one stage per domain of ``order``
     order: list[str] = Field(default_factory=list)  # cross_domain: the domains, in stage order
-    train_per_task: int = 8  # train variations per task type (split across the stages within a domain)
-    test_per_task: int = 4  # test variations per task type, evaluated after every stage
+    # Variations per task type: one number, or one per domain ({scienceworld: 6, alfworld: 24, ...}).
+    train_per_task: int | dict[str, int] = 8  # train variations (split across the stages within a domain)
+    test_per_task: int | dict[str, int] = 4  # test variations, evaluated after every stage
     eval_initial: bool = False  # evaluate before the first stage too (stage 0: the base reference)
 
     @model_validator(mode="after")
@@ -182,11 +183,35 @@ class ProtocolConfig(_Cfg):
                 raise ValueError("protocol.order must name the domains of a cross_domain stream")
             if len(set(self.order)) != len(self.order):
                 raise ValueError(f"protocol.order repeats a domain: {self.order}")
-        elif self.train_per_task < self.num_stages:
-            raise ValueError(
-                "protocol.train_per_task must be >= protocol.num_stages (each stage covers every task type)"
+        for key in ("train_per_task", "test_per_task"):
+            value = getattr(self, key)
+            if any(n < 1 for n in (value.values() if isinstance(value, dict) else [value])):
+                raise ValueError(f"protocol.{key} must be >= 1 (got {value})")
+        if self.kind == "within_domain":
+            counts = (
+                self.train_per_task.values()
+                if isinstance(self.train_per_task, dict)
+                else [self.train_per_task]
             )
+            if min(counts) < self.num_stages:
+                raise ValueError(
+                    "protocol.train_per_task must be >= protocol.num_stages (each stage covers every task type)"
+                )
         return self
+
+    def per_task(self, split: str, domain: str) -> int:
+        """Variations per task type of ``domain`` on ``split`` (``train`` or ``test``).
+
+        Raises:
+            ConfigError: ``protocol.<split>_per_task`` is per domain and does not name ``domain``.
+        """
+        key = f"{split}_per_task"
+        value = getattr(self, key)
+        if not isinstance(value, dict):
+            return value
+        if domain not in value:
+            raise ConfigError(f"protocol.{key} has no entry for domain {domain!r} (it names {sorted(value)})")
+        return value[domain]
 
     @property
     def stages(self) -> int:

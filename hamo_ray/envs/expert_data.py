@@ -338,7 +338,7 @@ def train_experts_by_type(cfg: HamoConfig, domain: str) -> dict[str, list[Trajec
             held_out,
             failed,
         )
-    limit = cfg.protocol.train_per_task
+    limit = cfg.protocol.per_task("train", domain)
     return {tt: sorted(ts, key=lambda t: t.task.variation)[:limit] for tt, ts in by_type.items()}
 
 

@@ -111,3 +111,30 @@ def test_constructor_only_validates(tmp_path):
     assert ray.is_initialized() == ray_before  # the constructor starts no Ray
     assert "stage_tasks" not in vars(stream) and "test_tasks" not in vars(stream)
     assert stream.stage_domains == ["alfworld", "alfworld"] and stream.expected_stages == [1, 2]
+
+
+def test_per_domain_train_and_test_counts(tmp_path):
+    """``protocol.{train,test}_per_task`` one number, or one per domain (a missing or foreign domain named)."""
+    cross = "jobs/configs/tiny-cross.yaml"
+    counts = "{scienceworld: 2, alfworld: 5, webshop: 3}"
+    cfg = load_config(
+        cross, [f"run.root={tmp_path}", f"protocol.test_per_task={counts}", "protocol.train_per_task=2"]
+    )
+    stream = Stream(cfg)
+    for domain, n in {"scienceworld": 2, "alfworld": 5, "webshop": 3}.items():
+        tasks = stream.test_tasks[domain]
+        assert len(tasks) == n * len(cfg.task_types(domain)), domain
+        assert {t.split for t in tasks} == {"test"}
+    assert [len(stage) for stage in stream.stage_tasks] == [2 * len(cfg.task_types(d)) for d in cfg.domains()]
+    with pytest.raises(ConfigError, match="protocol.test_per_task has no entry for domain.*webshop"):
+        load_config(cross, ["protocol.test_per_task={scienceworld: 2, alfworld: 5}"])
+    with pytest.raises(ConfigError, match="protocol.train_per_task names domain.*textworld"):
+        load_config(
+            cross, ["protocol.train_per_task={scienceworld: 2, alfworld: 5, webshop: 3, textworld: 1}"]
+        )
+    with pytest.raises(ConfigError, match="protocol.test_per_task must be >= 1"):
+        load_config(cross, ["protocol.test_per_task={scienceworld: 0, alfworld: 5, webshop: 3}"])
+    with pytest.raises(ConfigError, match="protocol.train_per_task must be >= protocol.num_stages"):
+        load_config(
+            "jobs/configs/tiny.yaml", ["protocol.num_stages=3", "protocol.train_per_task={scienceworld: 2}"]
+        )
