@@ -37,7 +37,8 @@ def split_stages(tasks_by_type: dict[str, list[TaskSpec]], num_stages: int) -> l
 
 def domain_tasks(cfg: HamoConfig, domains: dict, name: str, split: str) -> list[TaskSpec]:
     """``split``'s tasks of domain ``name``, task type by task type (``protocol.*_per_task`` each)."""
-    limit = cfg.protocol.per_task("test" if split == "test" else "train", name)
+    key = "protocol.test_per_task" if split == "test" else "protocol.train_per_task"
+    limit = cfg.per_domain(key, name)
     return [t for tt in cfg.task_types(name) for t in domains[name].tasks(split, tt, limit=limit)]
 
 

@@ -66,6 +66,10 @@ __all__ = [
 ]
 
 
+# Counts given as one number or one per domain of the stream ({scienceworld: 6, alfworld: 24, ...}).
+PER_DOMAIN_COUNTS = ("backbone.per_task", "protocol.train_per_task", "protocol.test_per_task")
+
+
 class HamoConfig(_Cfg):
     run: RunConfig = RunConfig()
     method: MethodConfig = MethodConfig()
@@ -89,11 +93,8 @@ class HamoConfig(_Cfg):
                 f"train.lora_r ({self.train.lora_r}) exceeds serve.max_lora_rank ({self.serve.max_lora_rank})"
             )
         domains = self.domains()
-        for key, per_task in (
-            ("backbone.per_task", self.backbone.per_task),
-            ("protocol.train_per_task", self.protocol.train_per_task),
-            ("protocol.test_per_task", self.protocol.test_per_task),
-        ):
+        for key in PER_DOMAIN_COUNTS:
+            per_task = self._setting(key)
             if not isinstance(per_task, dict):
                 continue
             if missing := [d for d in domains if d not in per_task]:
@@ -102,10 +103,26 @@ class HamoConfig(_Cfg):
                 raise ValueError(f"{key} names domain(s) this stream does not run: {', '.join(extra)}")
         return self
 
+    def _setting(self, key: str):
+        section, name = key.split(".")
+        return getattr(getattr(self, section), name)
+
+    def per_domain(self, key: str, domain: str) -> int:
+        """A count of ``PER_DOMAIN_COUNTS`` for ``domain``: the key's one number, or its entry for the domain.
+
+        Raises:
+            ConfigError: ``domain`` is not a domain of this stream.
+        """
+        value = self._setting(key)
+        if not isinstance(value, dict):
+            return value
+        if domain not in value:
+            raise ConfigError(f"{key} has no entry for domain {domain!r} (it names {sorted(value)})")
+        return value[domain]
+
     def backbone_per_task(self, domain: str) -> int:
         """Pre-training variations per task type of ``domain`` (``backbone.per_task``, one or per domain)."""
-        per_task = self.backbone.per_task
-        return per_task[domain] if isinstance(per_task, dict) else per_task
+        return self.per_domain("backbone.per_task", domain)
 
     def domains(self) -> list[str]:
         """The domains of the stream, in stage order."""

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from hamo_ray.config.base import ConfigError, _Cfg
+from hamo_ray.config.base import _Cfg
 
 
 class RunConfig(_Cfg):
@@ -198,20 +198,6 @@ class ProtocolConfig(_Cfg):
                     "protocol.train_per_task must be >= protocol.num_stages (each stage covers every task type)"
                 )
         return self
-
-    def per_task(self, split: str, domain: str) -> int:
-        """Variations per task type of ``domain`` on ``split`` (``train`` or ``test``).
-
-        Raises:
-            ConfigError: ``protocol.<split>_per_task`` is per domain and does not name ``domain``.
-        """
-        key = f"{split}_per_task"
-        value = getattr(self, key)
-        if not isinstance(value, dict):
-            return value
-        if domain not in value:
-            raise ConfigError(f"protocol.{key} has no entry for domain {domain!r} (it names {sorted(value)})")
-        return value[domain]
 
     @property
     def stages(self) -> int:

@@ -338,7 +338,7 @@ def train_experts_by_type(cfg: HamoConfig, domain: str) -> dict[str, list[Trajec
             held_out,
             failed,
         )
-    limit = cfg.protocol.per_task("train", domain)
+    limit = cfg.per_domain("protocol.train_per_task", domain)
     return {tt: sorted(ts, key=lambda t: t.task.variation)[:limit] for tt, ts in by_type.items()}
 
 

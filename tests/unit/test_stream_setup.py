@@ -117,15 +117,26 @@ def test_per_domain_train_and_test_counts(tmp_path):
     """``protocol.{train,test}_per_task`` one number, or one per domain (a missing or foreign domain named)."""
     cross = "jobs/configs/tiny-cross.yaml"
     counts = "{scienceworld: 2, alfworld: 5, webshop: 3}"
+    train = "{scienceworld: 1, alfworld: 3, webshop: 2}"
     cfg = load_config(
-        cross, [f"run.root={tmp_path}", f"protocol.test_per_task={counts}", "protocol.train_per_task=2"]
+        cross,
+        [f"run.root={tmp_path}", f"protocol.test_per_task={counts}", f"protocol.train_per_task={train}"],
     )
     stream = Stream(cfg)
     for domain, n in {"scienceworld": 2, "alfworld": 5, "webshop": 3}.items():
         tasks = stream.test_tasks[domain]
         assert len(tasks) == n * len(cfg.task_types(domain)), domain
         assert {t.split for t in tasks} == {"test"}
-    assert [len(stage) for stage in stream.stage_tasks] == [2 * len(cfg.task_types(d)) for d in cfg.domains()]
+    assert [len(stage) for stage in stream.stage_tasks] == [
+        n * len(cfg.task_types(d)) for d, n in zip(cfg.domains(), [1, 3, 2])
+    ]
+    assert {t.split for stage in stream.stage_tasks for t in stage} == {"train"}
+    assert cfg.per_domain("protocol.test_per_task", "alfworld") == 5
+    assert (
+        load_config(cross, []).per_domain("protocol.test_per_task", "alfworld") == 3
+    )  # one number: every domain
+    with pytest.raises(ConfigError, match="protocol.test_per_task has no entry for domain 'textworld'"):
+        cfg.per_domain("protocol.test_per_task", "textworld")
     with pytest.raises(ConfigError, match="protocol.test_per_task has no entry for domain.*webshop"):
         load_config(cross, ["protocol.test_per_task={scienceworld: 2, alfworld: 5}"])
     with pytest.raises(ConfigError, match="protocol.train_per_task names domain.*textworld"):
