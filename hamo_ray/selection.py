@@ -7,7 +7,10 @@ Over the cards of one stage:
 3. greedy max coverage of ``F(S) = |U_{j in S} R_j|`` with a lazy priority queue (CELF), run to
    saturation, ties broken by the smaller card index;
 4. the budget ``N*`` is the knee of the coverage-vs-picks curve (Kneedle: the point of the
-   normalised curve farthest above the chord from the origin to saturation).
+   normalised curve farthest above the chord from the origin to saturation);
+5. a floor above the saturation point (``min_budget`` > greedy picks) is filled by :func:`fill_floor`:
+   round-robin over the cards' groups (task types), fewest anchors first, each group's cards by hit
+   count ``|R_j|``, ties by a seeded draw; never by card index.
 
 Usage::
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import heapq
 import logging
 import random
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,8 +276,77 @@ def knee_point(curve: list[float] | np.ndarray) -> int:
     return best + 1
 
 
+def fill_floor(
+    order: list[int],
+    n_hits: Sequence[int],
+    budget: int,
+    groups: Sequence[Hashable] | None = None,
+    seed: int = 0,
+) -> list[int]:
+    """The cards that top ``order`` (the greedy picks) up to ``budget``, in fill order.
+
+    The greedy picks are all kept; the extra cards are drawn from the unpicked ones, round-robin
+    over ``groups``: each next card goes to the group with the fewest cards chosen so far (greedy
+    picks included), equal counts in a seeded order of the groups; a group's cards go by hit count
+    (``n_hits``, more first), equal counts in a seeded order. A group whose cards are used up is
+    skipped. Without groups every card is in one group (hit count, then the seeded draw). Card
+    indices never decide, so cards that arrive grouped (a stage's trajectories come task type by
+    task type) do not tilt the floor towards the first group.
+
+    Args:
+        order: the card indices already chosen (kept, first).
+        n_hits: ``|R_j|`` for every card.
+        budget: the number of cards wanted in all.
+        groups: one group key per card (its task type), or None.
+        seed: the draw that breaks ties (the same seed, the same fill).
+
+    Returns:
+        ``budget - len(order)`` card indices (fewer if the cards run out), in fill order.
+    """
+    n = len(n_hits)
+    if groups is not None and len(groups) != n:
+        raise ValueError(f"groups has {len(groups)} entries for {n} cards")
+    want = min(budget, n) - len(order)
+    if want <= 0:
+        return []
+    # numpy generators take non-negative seeds only: any int seed goes through random.Random first.
+    rng = np.random.default_rng(random.Random(seed).getrandbits(64))
+    keys = list(groups) if groups is not None else [None] * n
+    tie = rng.permutation(n)
+    chosen = np.zeros(n, dtype=bool)
+    chosen[list(order)] = True
+    free = np.flatnonzero(~chosen)
+    hits = np.asarray(n_hits, dtype=np.int64)
+    free = free[np.lexsort((tie[free], -hits[free]))]  # hit count desc, then the seeded draw
+    queues: dict[Hashable, list[int]] = {}
+    for i in free.tolist():
+        queues.setdefault(keys[i], []).append(i)
+    count = {g: 0 for g in queues}
+    for i in order:
+        if keys[i] in count:
+            count[keys[i]] += 1
+    names = list(queues)
+    rank = {names[j]: r for r, j in enumerate(rng.permutation(len(names)).tolist())}
+    heap = [(count[g], rank[g], g) for g in names]
+    heapq.heapify(heap)
+    taken = dict.fromkeys(names, 0)
+    extra: list[int] = []
+    while heap and len(extra) < want:
+        c, r, g = heapq.heappop(heap)
+        extra.append(queues[g][taken[g]])
+        taken[g] += 1
+        if taken[g] < len(queues[g]):
+            heapq.heappush(heap, (c + 1, r, g))
+    return extra
+
+
 def coverage_select(
-    embeddings: np.ndarray, k: int = 3, min_budget: int = 1, batch_size: int = 2048
+    embeddings: np.ndarray,
+    k: int = 3,
+    min_budget: int = 1,
+    batch_size: int = 2048,
+    groups: Sequence[Hashable] | None = None,
+    seed: int = 0,
 ) -> SelectionResult:
     """Select compact, complementary anchors by retrieval coverage (docs/method.md step 2).
 
@@ -282,21 +355,27 @@ def coverage_select(
         k: leave-one-out neighbours per card (3 in the paper).
         min_budget: never select fewer anchors than this (capped at ``n``).
         batch_size: rows per similarity block (memory ``O(batch_size * n)``).
+        groups: one key per card (its task type): a floor above the greedy saturation point is
+            filled round-robin over them (:func:`fill_floor`); None: one group.
+        seed: the draw that breaks the floor's ties (the stage's seed).
 
     Returns:
         A ``SelectionResult``; ``order`` holds ``budget`` card indices.
 
     Raises:
-        ValueError: ``embeddings`` is not 2-D.
+        ValueError: ``embeddings`` is not 2-D, or ``groups`` does not have one entry per card.
     """
     x = np.asarray(embeddings)
     if x.ndim != 2:
         raise ValueError(f"embeddings must be a 2-D array, got shape {x.shape}")
     n = x.shape[0]
+    if groups is not None and len(groups) != n:
+        raise ValueError(f"groups has {len(groups)} entries for {n} cards")
     if n == 0:
         return SelectionResult([], [], [], 0, [], [], [])
     neighbours = leave_one_out_neighbours(x, k, batch_size)
     sets = reverse_neighbours(neighbours, n)
+    n_hits = [len(s) for s in sets]
     picks, gains = lazy_greedy_coverage(sets, n)
     curve = np.cumsum(gains).astype(int).tolist()
     budget = knee_point(curve)
@@ -304,9 +383,9 @@ def coverage_select(
     order = list(picks[:budget])
     order_gains = list(gains[:budget])
     if len(order) < budget:
-        # Saturated before min_budget: fill with unpicked cards by index (gain 0).
-        chosen = set(order)
-        extra = [i for i in range(n) if i not in chosen][: budget - len(order)]
+        # Saturated before min_budget: every greedy pick stays; the rest (gain 0) is filled
+        # round-robin over the groups, by hit count, ties by the seeded draw.
+        extra = fill_floor(order, n_hits, budget, groups, seed)
         order += extra
         order_gains += [0] * len(extra)
     return SelectionResult(
@@ -316,12 +395,18 @@ def coverage_select(
         budget=len(order),
         full_order=list(picks),
         full_gains=list(gains),
-        n_hits=[len(s) for s in sets],
+        n_hits=n_hits,
     )
 
 
 def select_anchors(
-    trajectories: list[Any], vectors: np.ndarray | None, k: int, min_budget: int, batch_size: int
+    trajectories: list[Any],
+    vectors: np.ndarray | None,
+    k: int,
+    min_budget: int,
+    batch_size: int,
+    groups: Sequence[Hashable] | None = None,
+    seed: int = 0,
 ) -> tuple[list[Any], int]:
     """A stage's anchors: its trajectories in coverage order, cut at the knee (docs/method.md step 2).
 
@@ -331,13 +416,17 @@ def select_anchors(
         k: leave-one-out neighbours per card.
         min_budget: never fewer anchors than this.
         batch_size: rows per similarity block.
+        groups: one key per trajectory (its task type), for the floor's round-robin; None: one group.
+        seed: the floor's tie-break draw (the stage's seed).
 
     Returns:
         ``(anchors, budget)``.
     """
     if vectors is None:
         return list(trajectories), len(trajectories)
-    result = coverage_select(vectors, k=k, min_budget=min_budget, batch_size=batch_size)
+    result = coverage_select(
+        vectors, k=k, min_budget=min_budget, batch_size=batch_size, groups=groups, seed=seed
+    )
     logger.info("select: budget %d of %d (coverage curve %s)", result.budget, len(trajectories), result.curve)
     return [trajectories[i] for i in result.order], result.budget
 

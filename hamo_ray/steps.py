@@ -95,12 +95,18 @@ def distil(cfg: HamoConfig, folder: RunFolder, stage: int, trajs: list[Trajector
     return store
 
 
-def select(cfg: HamoConfig, trajs: list[Trajectory], store) -> tuple[list[Trajectory], int]:
-    """Stage step 3: anchors by retrieval coverage over the stage's cards (all, without selection)."""
+def select(cfg: HamoConfig, trajs: list[Trajectory], store, stage: int = 0) -> tuple[list[Trajectory], int]:
+    """Stage step 3: anchors by retrieval coverage over the stage's cards (all, without selection).
+
+    A floor above the greedy saturation point is filled round-robin over the trajectories' task
+    types, ties drawn with the stage's seed (``run.seed * 1000 + stage``).
+    """
     sc, use = cfg.selection, cfg.method.selection and store is not None
     vectors = store.vectors([t.card_id for t in trajs]) if use else None
     floor = max(sc.min_budget, math.ceil(sc.min_fraction * len(trajs)))
-    return select_anchors(trajs, vectors, sc.k, floor, sc.batch_size)
+    types = [(t.task.domain, t.task.task) for t in trajs]
+    seed = cfg.run.seed * 1000 + stage
+    return select_anchors(trajs, vectors, sc.k, floor, sc.batch_size, groups=types, seed=seed)
 
 
 def replay(

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
-from hamo_ray.selection import coverage_select, knee_point, leave_one_out_neighbours, reverse_neighbours
+from hamo_ray.selection import (
+    coverage_select,
+    fill_floor,
+    knee_point,
+    leave_one_out_neighbours,
+    reverse_neighbours,
+)
 
 
 def brute_force_greedy(embeddings: np.ndarray, k: int = 3) -> tuple[list[int], list[int]]:
@@ -123,7 +131,8 @@ def test_budget_floor_as_a_share_of_the_stage(fraction, expected):
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(4, 16))
     x = np.concatenate([c + 0.01 * rng.normal(size=(10, 16)) for c in centres])  # 4 tight clusters
-    trajs = [SimpleNamespace(card_id=f"c{i}") for i in range(len(x))]
+    task = [SimpleNamespace(domain="d", task=f"type{i // 10}") for i in range(len(x))]  # the clusters
+    trajs = [SimpleNamespace(card_id=f"c{i}", task=task[i]) for i in range(len(x))]
     store = SimpleNamespace(vectors=lambda ids: x[[int(i[1:]) for i in ids]])
     cfg = HamoConfig.model_validate({"selection": {"min_fraction": fraction}})
     anchors, budget = select(cfg, trajs, store)
@@ -131,5 +140,120 @@ def test_budget_floor_as_a_share_of_the_stage(fraction, expected):
     assert knee < 20  # the knee alone is small here, so the floor is what binds
     assert budget == len(anchors) == (expected or knee)
     assert len({a.card_id for a in anchors}) == budget
+    per_type = Counter(a.task.task for a in anchors)
+    assert max(per_type.values()) - min(per_type.values()) <= (1 if expected else budget)
     with pytest.raises(ValueError, match="min_fraction"):
         HamoConfig.model_validate({"selection": {"min_fraction": 1.5}})
+
+
+def grouped_stage(seed: int = 0, types: int = 4, per_type: int = 6) -> np.ndarray:
+    """The learning experiment's shape: ``types`` task types x ``per_type`` cards, in type order."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(types, 32))
+    return np.concatenate([c + 0.6 * rng.normal(size=(per_type, 32)) for c in centres])
+
+
+def per_group(order: list[int], groups: list) -> dict:
+    return dict(Counter(groups[i] for i in order))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_floor_is_balanced_over_task_types(seed):
+    """Greedy saturates before the floor of 12: the fill goes round-robin, not to the first type."""
+    x = grouped_stage(seed)
+    groups = [f"type{i // 6}" for i in range(24)]
+    result = coverage_select(x, k=3, min_budget=12, groups=groups, seed=seed)
+    assert len(result.full_order) < 12  # saturated early: the floor is what fills
+    assert result.budget == len(result.order) == len(set(result.order)) == 12
+    assert per_group(result.order, groups) == {f"type{t}": 3 for t in range(4)}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_floor_is_balanced_whatever_the_type_order(seed):
+    """The same cards with the type blocks reordered, or interleaved, still give 3 per type."""
+    x = grouped_stage(seed)
+    groups = np.array([f"type{i // 6}" for i in range(24)])
+    blocks = np.arange(24).reshape(4, 6)
+    for perm in (blocks[[2, 0, 3, 1]].ravel(), blocks.T.ravel(), blocks[::-1].ravel()):
+        g = groups[perm].tolist()
+        result = coverage_select(x[perm], k=3, min_budget=12, groups=g, seed=seed)
+        assert per_group(result.order, g) == {f"type{t}": 3 for t in range(4)}
+
+
+def test_floor_is_deterministic_for_a_seed():
+    x = grouped_stage(5)
+    groups = [i // 6 for i in range(24)]
+    runs = [coverage_select(x, k=3, min_budget=12, groups=groups, seed=11).order for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+    assert runs[0] == coverage_select(x, k=3, min_budget=12, groups=groups, seed=11).order
+
+
+@pytest.mark.parametrize("budget", [10, 12, 15, 20])
+def test_seeds_differ_only_in_ties(budget):
+    """Across seeds: the same greedy picks, the same hit counts filled per type; only ties move."""
+    x = grouped_stage(2)
+    groups = [i // 6 for i in range(24)]
+    results = [coverage_select(x, k=3, min_budget=budget, groups=groups, seed=s) for s in range(20)]
+    hits = results[0].n_hits
+    sat = len(results[0].full_order)
+    sizes, fills = set(), set()
+    for r in results:
+        assert r.order[:sat] == results[0].full_order
+        counts = per_group(r.order, groups)
+        sizes.add(tuple(sorted(counts.values())))
+        # Within a type the filled cards are the unpicked ones with the most hits.
+        for g in set(groups):
+            free = [i for i in range(24) if groups[i] == g and i not in r.full_order]
+            filled = [i for i in r.order[sat:] if groups[i] == g]
+            rest = [hits[i] for i in free if i not in filled]
+            assert all(hits[i] >= max(rest, default=-1) for i in filled)
+        fills.add(tuple(sorted((groups[i], hits[i]) for i in r.order[sat:])) if budget % 4 == 0 else None)
+    assert len(sizes) == 1  # the per-type counts are the same up to which type gets a remainder
+    assert len(fills) == 1  # with an even split, the same (type, hits) multiset for every seed
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_greedy_picks_always_stay(seed):
+    """The floor only adds: the greedy picks (to the budget or saturation) come first, unchanged."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 50))
+    x = rng.normal(size=(n, int(rng.integers(2, 12))))
+    groups = rng.integers(0, int(rng.integers(1, 6)), n).tolist() if seed % 3 else None
+    floor = int(rng.integers(1, n + 1))
+    plain = coverage_select(x, k=3)
+    result = coverage_select(x, k=3, min_budget=floor, groups=groups, seed=seed)
+    assert result.full_order == plain.full_order
+    assert result.budget == len(result.order) == len(set(result.order)) == max(floor, plain.budget)
+    kept = min(result.budget, len(plain.full_order))
+    assert result.order[:kept] == plain.full_order[:kept]
+    assert result.gains[kept:] == [0] * (result.budget - kept)
+
+
+def test_fill_goes_to_the_types_with_fewest_anchors_and_skips_exhausted_ones():
+    groups = ["a"] * 6 + ["b"] * 6 + ["c"]
+    hits = [1] * 13
+    # Greedy took three of type a: b and c catch up first (c runs out after its only card), then
+    # a and b take turns.
+    for seed in range(5):
+        extra = fill_floor([0, 1, 2], hits, 9, groups, seed=seed)
+        assert per_group(extra[:4], groups) == {"b": 3, "c": 1}
+        assert per_group(extra[4:], groups) == {"a": 1, "b": 1}
+    # More than the cards there are: everything, once.
+    assert sorted(fill_floor([0], hits, 50, groups, seed=1)) == list(range(1, 13))
+    assert fill_floor([0, 1], hits, 2, groups) == []
+    with pytest.raises(ValueError, match="groups"):
+        fill_floor([0], hits, 5, groups[:-1])
+
+
+def test_fill_without_types_goes_by_hits_then_seeded_ties_never_by_index():
+    hits = [0, 1, 1, 1, 1, 1, 1, 5, 0, 3]
+    for seed in range(10):
+        extra = fill_floor([], hits, 4, None, seed=seed)
+        assert extra[:2] == [7, 9]  # the most hits first
+        assert {*extra[2:]} <= {1, 2, 3, 4, 5, 6}  # then two of the six tied at 1 hit
+    draws = {tuple(fill_floor([], hits, 4, None, seed=s)[2:]) for s in range(10)}
+    assert len(draws) > 1  # the tie is drawn, not taken in index order
+    # All ties: a seeded permutation rather than 0, 1, 2, ...
+    flat = [0] * 24
+    orders = {tuple(fill_floor([], flat, 12, None, seed=s)) for s in range(5)}
+    assert len(orders) == 5 and tuple(range(12)) not in orders
