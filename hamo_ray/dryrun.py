@@ -118,23 +118,25 @@ def _render(cfg: HamoConfig, name: str, tokenizer, out: Callable[[str], None], r
     counts: dict[str, int] = {}
     if expert.actions:
         if tokenizer is not None:
-            from hamo_ray.training.examples import trajectory_examples
+            from hamo_ray.training.examples import example_options, trajectory_examples
 
-            examples = trajectory_examples(expert, train_cards, tokenizer, pcfg, 10**9, kwargs)
+            examples = trajectory_examples(
+                expert, train_cards, tokenizer, pcfg, 10**9, kwargs, **example_options(cfg)
+            )
             longest = max(len(e.input_ids) for e in examples)
             counts["train"] = longest
             last = examples[-1]
             over = [i for i, e in enumerate(examples) if len(e.input_ids) > cfg.train.max_seq_len]
             out(
-                f"--- training example, step {len(examples)}/{len(examples)}: {len(last.input_ids)} tokens "
-                f"(longest step {longest}) / train.max_seq_len {cfg.train.max_seq_len}"
+                f"--- training example {len(examples)}/{len(examples)} ({cfg.train.example_format} format): "
+                f"{len(last.input_ids)} tokens (longest {longest}) / train.max_seq_len {cfg.train.max_seq_len}"
             )
             out(tokenizer.decode(last.input_ids))
             target = [t for t in last.labels if t != -100]
-            out(f"--- (loss on the last {len(target)} tokens: {tokenizer.decode(target)!r})")
+            out(f"--- (loss on {len(target)} tokens: {tokenizer.decode(target)!r})")
             if over:
                 report.warnings.append(
-                    f"{name}: {len(over)} of {len(examples)} training steps exceed train.max_seq_len "
+                    f"{name}: {len(over)} of {len(examples)} training examples exceed train.max_seq_len "
                     f"{cfg.train.max_seq_len} (training drops them)"
                 )
         else:

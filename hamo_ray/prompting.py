@@ -14,15 +14,22 @@ Reply format (``prompt.reply_format``): ``action`` (the reply is one command) or
 reads either, after removing a reasoning block (``<think>...</think>``, also one left open by a
 reply cut off at ``max_tokens``), so an action is never ``<think>``.
 
-Context rule (keeps long episodes inside the context window):
+Context rule (keeps long episodes inside the context window), the same in training and inference:
 - the initial observation is cut to ``prompt.init_obs_max_chars`` characters, each later
   observation to ``prompt.obs_max_chars``, each injected card to ``prompt.card_max_chars``;
-- only the last ``prompt.history_turns`` (reply, observation) turns follow the first user turn.
+- the whole history follows the first user turn (``prompt.history_turns``, when set, caps it at the
+  last N turns: a sliding window);
+- when the rendered prompt would exceed the token budget (``model.max_model_len -
+  rollout.max_tokens``), the oldest half of the kept history turns is dropped, again until it fits
+  (``fit_messages``). The first kept turn only moves forward within an episode, so every prompt of an
+  episode extends the previous one until the next trim: the endpoint's prefix cache keeps hitting, and a
+  trajectory trains as one sequence per kept-history segment (``hamo_ray.training.examples``).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from hamo_ray.config import PromptConfig
@@ -36,6 +43,9 @@ __all__ = [
     "encode_chat",
     "encode_example",
     "first_user_message",
+    "fit_messages",
+    "history_starts",
+    "ChatRenderer",
     "format_fingerprint",
     "format_reply",
     "parse_reply",
@@ -88,6 +98,7 @@ def build_messages(
     *,
     domain: str | None = None,
     thoughts: list[str] | None = None,
+    start: int | None = None,
 ) -> list[dict[str, str]]:
     """Chat messages for choosing the next action after ``actions``/``observations`` so far.
 
@@ -100,6 +111,8 @@ def build_messages(
         pcfg: the context rule, reply format and prompt switches.
         domain: the task's domain; required with ``pcfg.system_prompt`` (its agent prompt).
         thoughts: the thought before each action (react format; empty or None: none recorded).
+        start: the first history turn kept (``fit_messages`` decides it); None: the whole history,
+            or the last ``pcfg.history_turns`` turns when that is set.
 
     Returns:
         OpenAI-style messages ending with a user turn.
@@ -119,8 +132,9 @@ def build_messages(
         text = system_text(domain, pcfg.reply_format, pcfg.in_context_example)
         messages.append({"role": "system", "content": text})
     messages.append({"role": "user", "content": first_user_message(goal, init_obs, cards, pcfg)})
-    start = max(0, len(actions) - pcfg.history_turns)
-    for k in range(start, len(actions)):
+    if start is None:
+        start = window_start(len(actions), pcfg)
+    for k in range(min(start, len(actions)), len(actions)):
         thought = thoughts[k] if thoughts else ""
         reply = format_reply(clean_action(actions[k]), thought, pcfg.reply_format)
         messages.append({"role": "assistant", "content": reply})
@@ -130,13 +144,93 @@ def build_messages(
     return messages
 
 
+def window_start(n_done: int, pcfg: PromptConfig) -> int:
+    """The first history turn ``prompt.history_turns`` allows after ``n_done`` actions (0: all)."""
+    return 0 if pcfg.history_turns is None else max(0, n_done - pcfg.history_turns)
+
+
+def fit_messages(
+    goal: str,
+    init_obs: str,
+    cards: list[Card],
+    actions: list[str],
+    observations: list[str],
+    pcfg: PromptConfig,
+    *,
+    domain: str | None = None,
+    thoughts: list[str] | None = None,
+    start: int = 0,
+    fits: Callable[[list[dict[str, str]]], bool] | None = None,
+) -> tuple[int, list[dict[str, str]]]:
+    """The context rule: the messages for the next action, history trimmed oldest-first to fit.
+
+    Args:
+        goal, init_obs, cards, actions, observations, pcfg, domain, thoughts: as ``build_messages``.
+        start: the first turn the previous prompt of this episode kept (the start never moves back).
+        fits: whether rendered messages fit the prompt budget (``ChatRenderer.fits``); None: no limit
+            but ``pcfg.history_turns``.
+
+    Returns:
+        ``(start, messages)``: the first history turn kept and the messages. When even no history fits,
+        the messages carry none (the endpoint then refuses the prompt as too long).
+    """
+    n = len(actions)
+    start = max(start, window_start(n, pcfg))
+    while True:
+        messages = build_messages(
+            goal, init_obs, cards, actions, observations, pcfg, domain=domain, thoughts=thoughts, start=start
+        )
+        if fits is None or start >= n or fits(messages):
+            return start, messages
+        start += (n - start + 1) // 2  # drop the oldest half of the kept turns
+
+
+def history_starts(
+    traj: Trajectory, cards: list[Card], pcfg: PromptConfig, fits: Callable | None = None
+) -> list[int]:
+    """The first history turn kept before each action of ``traj``, as a rollout computes it turn by turn."""
+    starts, start, thoughts = [], 0, list(traj.thoughts)
+    for k in range(len(traj.actions)):
+        start, _ = fit_messages(
+            traj.goal, traj.init_obs, cards, traj.actions[:k], traj.observations[:k], pcfg,
+            domain=traj.task.domain, thoughts=thoughts[:k], start=start, fits=fits,
+        )  # fmt: skip
+        starts.append(start)
+    return starts
+
+
+class ChatRenderer:
+    """Renders messages to token ids with a tokenizer's chat template, as the server does.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        chat_template_kwargs: the template variables (``ModelConfig.template_kwargs()``).
+        budget: prompt tokens allowed (``model.max_model_len - rollout.max_tokens``); None: no limit.
+    """
+
+    def __init__(
+        self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None, budget: int | None = None
+    ):
+        self.tokenizer = tokenizer
+        self.kwargs = chat_template_kwargs
+        self.budget = budget
+
+    def encode(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        return encode_chat(self.tokenizer, messages, add_generation_prompt, self.kwargs)
+
+    def fits(self, messages: list[dict[str, str]]) -> bool:
+        """Whether the generation prompt of ``messages`` stays within the budget."""
+        return self.budget is None or len(self.encode(messages)) <= self.budget
+
+
 def step_example(
-    traj: Trajectory, k: int, cards: list[Card], pcfg: PromptConfig
+    traj: Trajectory, k: int, cards: list[Card], pcfg: PromptConfig, start: int | None = None
 ) -> tuple[list[dict[str, str]], str]:
     """The messages before step ``k`` of ``traj`` and the reply to train on (in ``pcfg.reply_format``).
 
     The messages are what a rollout would have sent at step ``k`` (same ``build_messages`` call,
-    with the trajectory's domain, its thoughts so far and ``cards``); the reply is the action, or
+    with the trajectory's domain, its thoughts so far, ``cards`` and the history kept from turn
+    ``start``, see ``history_starts``); the reply is the action, or
     ``Thought: ...\\nAction: ...`` (``Action: ...`` alone where the step has no thought).
     """
     thoughts = list(traj.thoughts)
@@ -149,6 +243,7 @@ def step_example(
         pcfg,
         domain=traj.task.domain,
         thoughts=thoughts[:k],
+        start=start,
     )
     reply = format_reply(clean_action(traj.actions[k]), thoughts[k] if thoughts else "", pcfg.reply_format)
     return messages, reply

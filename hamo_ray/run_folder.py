@@ -198,6 +198,7 @@ class RunFolder:
         metrics = summarize([s.scores for s in trained], [s.domain for s in trained], initial)
         metrics["method"] = self.cfg.method.name
         metrics["budgets"] = [s.budget for s in stages]
+        metrics["evaluation"] = {str(s.stage): s.evaluation for s in stages if s.evaluation}
         atomic_write(self.path / "results" / "metrics.json", json.dumps(metrics, indent=1))
         if trained:  # plots and report.md, as a sweep has (a failure there never loses a committed stage)
             from hamo_ray.evaluation.plots import write_run_report

@@ -43,6 +43,7 @@ class Endpoint:
     base_url: str  # the policy endpoint, e.g. http://127.0.0.1:8000
     harness_url: str | None = None  # None: this run has no harness
     api_key: str | None = None
+    tokenizer: str | None = None  # the served backbone's folder: rollouts count prompt tokens with it
 
     def spec(self, model: str, cfg: HamoConfig, *, seed: int | None, retrieval: bool = False) -> PolicySpec:
         """The ``PolicySpec`` rollout actors act with: served ``model``, the run's sampling, the key.
@@ -64,6 +65,8 @@ class Endpoint:
             seed=seed,
             api_key=self.api_key,
             chat_template_kwargs=cfg.model.template_kwargs(),
+            tokenizer=self.tokenizer,
+            prompt_budget=cfg.model.max_model_len - cfg.rollout.max_tokens,
         )
 
 
@@ -171,7 +174,7 @@ class Services:
             parts = urlsplit(url)
             harness_url = f"{parts.scheme}://{parts.netloc}{route}"
             wait_healthy(harness_url, api_key=scfg.api_key)
-        self.endpoint = Endpoint(url, harness_url, scfg.api_key)
+        self.endpoint = Endpoint(url, harness_url, scfg.api_key, tokenizer=str(model_path))
         return self.endpoint
 
     def publish(self, name: str, adapter: str | Path) -> dict:

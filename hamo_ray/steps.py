@@ -118,13 +118,22 @@ def replay(
     return sample_replay(folder.anchors(done), n, cfg.replay.ratio, seed=cfg.run.seed * 1000 + stage)
 
 
-def evaluate(pools: EnvPools, folder: RunFolder, stage: int, test_tasks: dict, spec: PolicySpec) -> dict:
+def evaluate(
+    pools: EnvPools, folder: RunFolder, stage: int, test_tasks: dict, spec: PolicySpec
+) -> tuple[dict[str, float], dict[str, float]]:
     """Stage step 7: every domain's test tasks against the endpoint; the episodes are saved.
 
     Returns:
-        Domain -> mean score (0-100).
+        Domain -> mean score (0-100), and the evaluation's figures: ``episodes``,
+        ``seconds_per_episode`` (wall time over all domains / episodes) and, where the endpoint reports
+        vLLM's counters, ``prefix_cache_hit_rate`` (prompt tokens served from the prefix cache).
     """
-    scores = {}
+    import time
+
+    from hamo_ray.serving.client import hit_rate, prefix_cache_counters
+
+    scores, episodes, start = {}, 0, time.perf_counter()
+    before = prefix_cache_counters(spec.base_url, spec.api_key)
     for domain, tasks in test_tasks.items():
         trajs = pools(domain).run(tasks, spec, desc=f"stage {stage} evaluation ({domain})")
         folder.save_episodes(stage, domain, trajs)
@@ -132,4 +141,10 @@ def evaluate(pools: EnvPools, folder: RunFolder, stage: int, test_tasks: dict, s
         if failed:
             logger.warning("evaluate: %d %s episodes failed: %s", len(failed), domain, failed[0].error)
         scores[domain] = sum(t.score for t in trajs) / len(trajs)
-    return scores
+        episodes += len(trajs)
+    stats = {"episodes": episodes, "seconds_per_episode": (time.perf_counter() - start) / max(1, episodes)}
+    rate = hit_rate(before, prefix_cache_counters(spec.base_url, spec.api_key))
+    if rate is not None:
+        stats["prefix_cache_hit_rate"] = rate
+    logger.info("evaluate: %s", {k: round(v, 3) for k, v in stats.items()})
+    return scores, stats

@@ -168,8 +168,8 @@ class Stream:
         logger.info("=== stage 0: evaluation before any stage ===")
         clock = PhaseClock()
         with clock("evaluate"):
-            scores = self._evaluate(0, None)
-        return StageResult.initial(self.cfg.method.name, scores, clock.seconds)
+            scores, stats = self._evaluate(0, None)
+        return StageResult.initial(self.cfg.method.name, scores, clock.seconds, stats)
 
     def _stage(self, stage: int, done: list[StageResult]) -> StageResult:
         """Steps 1-7 of one stage (``run`` commits it: step 8)."""
@@ -180,7 +180,7 @@ class Stream:
         with clock("distil"):  # 2. cards into the memory
             store = distil(cfg, self.folder, stage, trajs)
         with clock("select"):  # 3. anchors by retrieval coverage
-            anchors, budget = select(cfg, trajs, store)
+            anchors, budget = select(cfg, trajs, store, stage)
         with clock("replay"):  # 4. earlier stages' anchors
             replayed = replay(cfg, self.folder, stage, done, len(anchors))
         adapter = name = loss = None
@@ -201,12 +201,12 @@ class Stream:
                     "release: %d cards marked released", release_internalised(store, anchors, cfg.memory)
                 )
         with clock("evaluate"):  # 7. every domain's test set
-            scores = self._evaluate(stage, name)
+            scores, stats = self._evaluate(stage, name)
         return StageResult(
             stage=stage, method=m.name, domain=domain, num_trajectories=len(trajs),
             num_cards=store.count() if store is not None else 0, budget=budget,
             anchors=[t.id for t in anchors], replay=[t.id for t in replayed], adapter=adapter,
-            adapter_name=name, train_loss=loss, scores=scores, seconds=clock.seconds,
+            adapter_name=name, train_loss=loss, scores=scores, seconds=clock.seconds, evaluation=stats,
         )  # fmt: skip
 
     def _collect(self, stage: int, domain: str) -> list[Trajectory]:
@@ -241,7 +241,7 @@ class Stream:
         """Experience-conditioned BC on the kept worker group; the injected cards never include the own card."""
         from transformers import AutoTokenizer
 
-        from hamo_ray.training.examples import build_examples
+        from hamo_ray.training.examples import build_examples, example_options
         from hamo_ray.training.group import group_for
         from hamo_ray.training.trainer import train_model
 
@@ -250,9 +250,13 @@ class Stream:
         conditioned = cfg.method.conditioning and store is not None
         cards = training_experience(store, batch, cfg.memory.top_k, max_stage=stage) if conditioned else {}
         examples = build_examples(
-            batch, cards, tokenizer, cfg.prompt, cfg.train.max_seq_len, cfg.model.template_kwargs()
-        )
-        logger.info("train: %d trajectories -> %d examples (init from %s)", len(batch), len(examples), prev)
+            batch, cards, tokenizer, cfg.prompt, cfg.train.max_seq_len, cfg.model.template_kwargs(),
+            **example_options(cfg),
+        )  # fmt: skip
+        logger.info(
+            "train: %d trajectories -> %d %s examples, %d tokens (init from %s)", len(batch), len(examples),
+            cfg.train.example_format, sum(len(e.input_ids) for e in examples), prev,
+        )  # fmt: skip
         result = train_model(
             model_path, examples, self.folder.path / rel, cfg.train, self.folder.path / "train",
             pad_id=tokenizer.pad_token_id, init_adapter=str(prev) if prev else None, seed=cfg.run.seed + stage,
@@ -270,6 +274,7 @@ class Stream:
         from transformers import AutoTokenizer
 
         from hamo_ray.training.dpo import build_pairs, encode_pairs, train_dpo
+        from hamo_ray.training.examples import example_options
         from hamo_ray.training.group import group_for
 
         cfg, model_path = self.cfg, self.model_path
@@ -280,8 +285,9 @@ class Stream:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         pairs = build_pairs(trajs, explored)
         encoded = encode_pairs(
-            pairs, tokenizer, cfg.prompt, cfg.train.max_seq_len, cfg.model.template_kwargs()
-        )
+            pairs, tokenizer, cfg.prompt, cfg.train.max_seq_len, cfg.model.template_kwargs(),
+            **example_options(cfg),
+        )  # fmt: skip
         logger.info("eto: %d failure/success pairs from %d explored episodes", len(encoded), len(explored))
         if not encoded:
             return bc_path, bc_name, bc_loss
@@ -296,7 +302,7 @@ class Stream:
         self.services.publish(name, rel)
         return rel, name, result.loss
 
-    def _evaluate(self, stage: int, model: str | None) -> dict[str, float]:
+    def _evaluate(self, stage: int, model: str | None) -> tuple[dict[str, float], dict[str, float]]:
         cfg = self.cfg
         spec = self.endpoint.spec(
             model or cfg.model.name, cfg, seed=cfg.run.seed, retrieval=cfg.method.retrieval

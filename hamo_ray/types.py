@@ -140,11 +140,16 @@ class StageResult(_Frozen):
     train_loss: float | None
     scores: dict[str, float]  # domain -> mean score (0-100) on its test set
     seconds: dict[str, float]  # phase -> wall seconds
+    # The evaluation's figures: episodes, seconds_per_episode, prefix_cache_hit_rate (vLLM's counters)
+    evaluation: dict[str, float] = Field(default_factory=dict)
 
     @classmethod
-    def initial(cls, method: str, scores: dict[str, float], seconds: dict[str, float]) -> StageResult:
+    def initial(
+        cls, method: str, scores: dict[str, float], seconds: dict[str, float], evaluation: dict[str, float]
+    ) -> StageResult:
         """Stage 0: the evaluation before any stage (no data, no adapter)."""
         return cls(
             stage=0, method=method, num_trajectories=0, num_cards=0, budget=0, anchors=[], replay=[],
             adapter=None, adapter_name=None, train_loss=None, scores=scores, seconds=seconds,
+            evaluation=evaluation,
         )  # fmt: skip

@@ -76,6 +76,9 @@ class TrainConfig(_Cfg):
     )
     batch_size: int = 8
     max_seq_len: int = 1024
+    # "trajectory": one sequence per trajectory (per kept-history segment), every action's loss from one
+    # forward pass over the conversation; "step": one example per action (the prompt re-encoded each time).
+    example_format: Literal["trajectory", "step"] = "trajectory"
     num_workers: int = 1
     cpus_per_worker: float = 1.0
     use_gpu: bool = False

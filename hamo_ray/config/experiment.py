@@ -207,7 +207,9 @@ class ProtocolConfig(_Cfg):
 class PromptConfig(_Cfg):
     """The context rule shared by training and inference (see hamo_ray.prompting)."""
 
-    history_turns: int = 4  # keep the last N (action, observation) turns
+    # None: the whole history, trimmed oldest-first only when the prompt would not fit the context
+    # (model.max_model_len - rollout.max_tokens); N: a sliding window of the last N turns.
+    history_turns: int | None = Field(default=None, ge=0)
     obs_max_chars: int = 400  # observations are cut to this many characters
     init_obs_max_chars: int = 600
     card_max_chars: int = 400  # each injected card is cut to this many characters

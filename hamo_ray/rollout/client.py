@@ -27,6 +27,10 @@ class PolicySpec:
     # Chat template variables sent with every request (ModelConfig.template_kwargs(): enable_thinking,
     # ...), so the server renders exactly what training rendered, whatever its own defaults.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The context rule's prompt-token budget (model.max_model_len - rollout.max_tokens) and the tokenizer
+    # folder it is counted with (the backbone's); None: only prompt.history_turns trims the history.
+    tokenizer: str | None = None
+    prompt_budget: int | None = None
     # The endpoint's serve.api_key, sent as a bearer token to both apps (kept out of reprs and logs).
     api_key: str | None = field(default=None, repr=False)
 

@@ -5,8 +5,9 @@ while the actor's asyncio loop keeps the other episodes and their policy request
 environment that raises is closed and replaced, and its episode retried from the start up to
 ``max_attempts``; after that the episode is recorded as failed with the error, never dropped.
 
-Prompts are built here, with ``hamo_ray.prompting.build_messages`` (the function training examples
-use) and the run's prompt config: the cards are retrieved from the harness once per episode and
+Prompts are built here, with ``hamo_ray.prompting.fit_messages`` (the context rule training examples
+use: the whole history, trimmed oldest-first only when the prompt would outgrow the token budget,
+counted with the backbone's tokenizer and chat template) and the run's prompt config: the cards are retrieved from the harness once per episode and
 the same cards go into every turn, as in the training examples of that trajectory. The policy
 endpoint only renders the messages with the chat template (``chat_template_kwargs`` sent along),
 so any OpenAI-compatible server (vLLM's own included) can serve rollouts. Replies are parsed in
@@ -21,7 +22,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 from hamo_ray.config import EnvConfig, PromptConfig
-from hamo_ray.prompting import build_messages, parse_reply
+from hamo_ray.prompting import ChatRenderer, fit_messages, parse_reply
 from hamo_ray.rollout.client import PolicyClient, PolicySpec
 from hamo_ray.types import TaskSpec, Trajectory
 
@@ -53,6 +54,19 @@ class EnvWorker:
         threads = n_envs + 2 if self.domain.thread_safe else 1
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env")
         self._slots = asyncio.Semaphore(n_envs)
+        self._renderers: dict[tuple, ChatRenderer] = {}  # (tokenizer folder, template kwargs, budget)
+
+    def _fits(self, spec: PolicySpec):
+        """``ChatRenderer.fits`` for the spec's tokenizer and budget (loaded once per actor); None: no limit."""
+        if spec.tokenizer is None or spec.prompt_budget is None:
+            return None
+        key = (spec.tokenizer, repr(sorted(spec.chat_template_kwargs.items())), spec.prompt_budget)
+        if key not in self._renderers:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(spec.tokenizer)
+            self._renderers[key] = ChatRenderer(tok, spec.chat_template_kwargs, spec.prompt_budget)
+        return self._renderers[key].fits
 
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -116,14 +130,16 @@ class EnvWorker:
             # example of a trajectory does (and cards_used records them).
             cards = await client.retrieve(goal, init_obs)
             turns = self.env_cfg.max_turns
+            fits, start = self._fits(client.spec), 0
             extra = {"source": "policy", "model": client.spec.model, "cards_used": [c.id for c in cards]}
         for turn in range(turns):
             if client is None:
                 action = plan[turn]
             else:
-                messages = build_messages(
-                    goal, init_obs, cards, actions, observations, pcfg, domain=task.domain, thoughts=thoughts
-                )
+                start, messages = fit_messages(
+                    goal, init_obs, cards, actions, observations, pcfg,
+                    domain=task.domain, thoughts=thoughts, start=start, fits=fits,
+                )  # fmt: skip
                 reply, used = await client.act(messages, seed=_turn_seed(client.spec.seed, task, turn))
                 tokens += used
                 thought, action = parse_reply(reply, pcfg.reply_format)

@@ -261,3 +261,41 @@ def publish_adapter(
     }
     logger.info("adapter %r live (tokens differ: %s, max logprob diff %.3g)", name, tokens_differ, max_diff)
     return info
+
+
+PREFIX_QUERIES, PREFIX_HITS = "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"
+
+
+def prefix_cache_counters(url: str, api_key: str | None = None) -> tuple[float, float] | None:
+    """vLLM's prefix-cache counters from ``GET {url}/metrics``: (prompt tokens queried, tokens hit).
+
+    Summed over every replica and label. The hit rate of a piece of work is the difference of two
+    readings: ``(hits1 - hits0) / (queries1 - queries0)``.
+
+    Returns:
+        The two counters, or None when the endpoint does not report them (or cannot be reached).
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        resp = httpx.get(f"{url}/metrics", headers=auth_headers(api_key), timeout=30)
+        resp.raise_for_status()
+    except httpx.HTTPError:
+        logger.debug("metrics unreachable at %s", url, exc_info=True)
+        return None
+    totals = {PREFIX_QUERIES: 0.0, PREFIX_HITS: 0.0}
+    seen = False
+    for family in text_string_to_metric_families(resp.text):
+        for sample in family.samples:
+            for name in totals:
+                if sample.name in (name, f"{name}_total"):
+                    totals[name] += sample.value
+                    seen = True
+    return (totals[PREFIX_QUERIES], totals[PREFIX_HITS]) if seen else None
+
+
+def hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """The prefix-cache hit rate between two ``prefix_cache_counters`` readings (None if unknown)."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return (after[1] - before[1]) / (after[0] - before[0])

@@ -29,7 +29,7 @@ from hamo_ray.types import Card, Trajectory
 
 logger = logging.getLogger(__name__)
 
-BUILD_VERSION = 1  # bump when the build procedure changes
+BUILD_VERSION = 2  # bump when the build procedure changes
 
 
 def backbone_key(cfg: HamoConfig) -> str:
@@ -45,6 +45,8 @@ def backbone_key(cfg: HamoConfig) -> str:
         "top_k": cfg.memory.top_k,
         "embedding_model": cfg.memory.embedding_model,
         "max_seq_len": cfg.train.max_seq_len,
+        "example_format": cfg.train.example_format,
+        "prompt_budget": cfg.model.max_model_len - cfg.rollout.max_tokens,
         "seed": 0,
     }
     # The data behind a domain's experts, where a setting changes it (not in the key before: kept out for
@@ -129,7 +131,7 @@ def _build(cfg: HamoConfig, run_expert, storage_path: Path, path: Path) -> Path:
     from transformers import AutoTokenizer
 
     from hamo_ray.envs import get_domain
-    from hamo_ray.training.examples import build_examples
+    from hamo_ray.training.examples import build_examples, example_options
     from hamo_ray.training.tiny_lm import init_qwen3, save_backbone, train_tokenizer
     from hamo_ray.training.trainer import train_model
 
@@ -155,8 +157,9 @@ def _build(cfg: HamoConfig, run_expert, storage_path: Path, path: Path) -> Path:
     init_dir = save_backbone(model, tokenizer, staging / "init")
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
     examples = build_examples(
-        trajs, experience, tokenizer, cfg.prompt, cfg.train.max_seq_len, cfg.model.template_kwargs()
-    )
+        trajs, experience, tokenizer, cfg.prompt, cfg.train.max_seq_len, cfg.model.template_kwargs(),
+        **example_options(cfg),
+    )  # fmt: skip
     n_tokens = sum(len(e.input_ids) for e in examples)
     logger.info(
         "backbone: %s params, %d examples, %d tokens/epoch, %d epochs",

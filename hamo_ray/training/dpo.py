@@ -45,17 +45,23 @@ def build_pairs(expert: list[Trajectory], explored: list[Trajectory]) -> list[tu
 
 
 def encode_pairs(
-    pairs, tokenizer, pcfg: PromptConfig, max_seq_len: int, chat_template_kwargs: dict | None = None
+    pairs,
+    tokenizer,
+    pcfg: PromptConfig,
+    max_seq_len: int,
+    chat_template_kwargs: dict | None = None,
+    **options: Any,
 ) -> list[dict[str, list[dict]]]:
-    """Tokenise (chosen, rejected) pairs as behavioural-cloning steps (same template variables as training).
+    """Tokenise (chosen, rejected) pairs as behavioural-cloning examples (same template variables and
+    format as training: ``options`` are ``trajectory_examples``'s ``budget`` and ``per_step``).
 
     Returns:
         ``[{"chosen": [steps], "rejected": [steps]}]``; a pair with a side left empty is dropped.
     """
     out = []
     for chosen, rejected in pairs:
-        c = trajectory_examples(chosen, [], tokenizer, pcfg, max_seq_len, chat_template_kwargs)
-        r = trajectory_examples(rejected, [], tokenizer, pcfg, max_seq_len, chat_template_kwargs)
+        c = trajectory_examples(chosen, [], tokenizer, pcfg, max_seq_len, chat_template_kwargs, **options)
+        r = trajectory_examples(rejected, [], tokenizer, pcfg, max_seq_len, chat_template_kwargs, **options)
         if c and r:
             out.append(
                 {

@@ -1,19 +1,29 @@
 """Experience-conditioned behavioural-cloning examples from trajectories.
 
-One example per action ``a_k`` of a trajectory: the messages that the policy would have seen
-before acting (``hamo_ray.prompting.build_messages``: goal, initial observation, injected
-experience ``E_i``, the last turns ``h_k``) and the action as the target. The loss covers the
-action tokens only, so summing over the examples of a trajectory gives
-``sum_k log pi(a_k | g, o0, h_k, E)`` of docs/method.md step 4.
+The loss of docs/method.md step 4 is ``sum_k log pi(a_k | g, o0, h_k, E)`` over the actions of a
+trajectory, where the prompt before ``a_k`` is what the policy saw at that step
+(``hamo_ray.prompting.build_messages``: goal, initial observation, injected experience ``E``, the
+history ``h_k`` kept by the context rule). Two formats compute it (``train.example_format``):
+
+- ``trajectory`` (default): with the whole history, each step's prompt extends the previous step's
+  prompt and reply, so the conversation up to the last action holds every step's prompt as a prefix.
+  One sequence per trajectory carries the labels of every reply: all action losses from one forward
+  pass. When the context rule trims the history, a new sequence starts at the trim (one per
+  kept-history segment), so every labelled reply still follows exactly the prompt the endpoint saw.
+- ``step``: one example per action, the prompt re-encoded each time.
+
+The labels cover the reply tokens only (up to the end-of-turn token); both formats give the same
+summed loss when no history is trimmed (tested token for token).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from hamo_ray.config import PromptConfig
-from hamo_ray.prompting import encode_example, step_example
+from hamo_ray.prompting import ChatRenderer, encode_example, history_starts, step_example
 from hamo_ray.types import Card, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -33,26 +43,91 @@ def trajectory_examples(
     pcfg: PromptConfig,
     max_seq_len: int,
     chat_template_kwargs: dict | None = None,
+    *,
+    budget: int | None = None,
+    per_step: bool = False,
 ) -> list[Example]:
     """The behavioural-cloning examples of one trajectory, conditioned on ``cards``.
 
-    Each is ``prompting.step_example`` (the rollout's messages, the reply in ``pcfg.reply_format``)
-    rendered with the model's template variables ``chat_template_kwargs``
-    (``ModelConfig.template_kwargs()``, the ones the server renders with).
-    Examples longer than ``max_seq_len`` are dropped (and logged): the context rule should
-    make them rare; a silent truncation would train on a prompt inference never sends.
+    Args:
+        traj: an expert (or explored) trajectory.
+        cards: the experience injected into its prompts.
+        tokenizer: the model's tokenizer (its chat template renders the prompts).
+        pcfg: the prompt format and context rule.
+        max_seq_len: longer examples are dropped (and logged): the context rule makes them rare; a
+            silent truncation would train on a prompt inference never sends.
+        chat_template_kwargs: the template variables the server renders with
+            (``ModelConfig.template_kwargs()``).
+        budget: the prompt-token budget of the context rule (``model.max_model_len -
+            rollout.max_tokens``); None: only ``pcfg.history_turns`` trims.
+        per_step: one example per action (``train.example_format=step``) instead of one sequence per
+            kept-history segment.
+
+    Returns:
+        The examples (one per segment, or one per action).
+
+    A chat template that renders an earlier reply differently once later turns follow it (Qwen3's
+    think blocks) cannot hold every step's prompt in one sequence: such a trajectory falls back to one
+    example per action, with a warning.
     """
+    renderer = ChatRenderer(tokenizer, chat_template_kwargs, budget)
+    starts = history_starts(traj, cards, pcfg, renderer.fits if budget is not None else None)
+    steps = []
+    for k, start in enumerate(starts):
+        messages, reply = step_example(traj, k, cards, pcfg, start=start)
+        steps.append((start, *encode_example(tokenizer, messages, reply, chat_template_kwargs)))
+    rows = None if per_step else _segments(steps)
+    if rows is None:
+        if not per_step:
+            _warn_once(
+                "the chat template renders an earlier reply differently once later turns follow it (Qwen3's "
+                "think blocks, for one), so a trajectory cannot train as one sequence: one example per action "
+                "instead (set train.example_format=step to say so)"
+            )
+        rows = [(ids, labels, f"step {k}") for k, (_, ids, labels) in enumerate(steps)]
     out = []
-    for k in range(len(traj.actions)):
-        messages, reply = step_example(traj, k, cards, pcfg)
-        ids, labels = encode_example(tokenizer, messages, reply, chat_template_kwargs)
+    for ids, labels, what in rows:
         if len(ids) > max_seq_len:
             logger.warning(
-                "dropping step %d of %s: %d tokens > max_seq_len %d", k, traj.id, len(ids), max_seq_len
+                "dropping %s of %s: %d tokens > max_seq_len %d", what, traj.id, len(ids), max_seq_len
             )
             continue
         out.append(Example(ids, labels, traj.id))
     return out
+
+
+def _segments(steps: list[tuple[int, list[int], list[int]]]) -> list[tuple[list, list, str]] | None:
+    """Merge consecutive steps that keep the same history into one sequence with every reply labelled.
+
+    Returns None when a step's prompt and reply are not a prefix of its segment's last step (the
+    template renders history differently from the reply it generated).
+    """
+    rows: list[tuple[list, list, str]] = []
+    k = 0
+    while k < len(steps):
+        end = k
+        while end + 1 < len(steps) and steps[end + 1][0] == steps[k][0]:
+            end += 1
+        ids, labels = list(steps[end][1]), [-100] * len(steps[end][1])
+        for j in range(k, end + 1):
+            step_ids, step_labels = steps[j][1], steps[j][2]
+            if ids[: len(step_ids)] != step_ids:
+                return None
+            for p, label in enumerate(step_labels):
+                if label != -100:
+                    labels[p] = label
+        rows.append((ids, labels, f"steps {k}-{end}"))
+        k = end + 1
+    return rows
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 def build_examples(
@@ -62,13 +137,29 @@ def build_examples(
     pcfg: PromptConfig,
     max_seq_len: int,
     chat_template_kwargs: dict | None = None,
+    *,
+    budget: int | None = None,
+    per_step: bool = False,
 ) -> list[Example]:
-    """Examples of many trajectories; ``experience[traj.id]`` holds its injected cards (may be empty)."""
+    """Examples of many trajectories (see ``trajectory_examples``); ``experience[traj.id]`` holds the
+    cards injected into that trajectory's prompts (may be empty)."""
     examples: list[Example] = []
     for traj in trajectories:
-        cards = experience.get(traj.id, [])
-        examples.extend(trajectory_examples(traj, cards, tokenizer, pcfg, max_seq_len, chat_template_kwargs))
+        examples.extend(
+            trajectory_examples(
+                traj, experience.get(traj.id, []), tokenizer, pcfg, max_seq_len, chat_template_kwargs,
+                budget=budget, per_step=per_step,
+            )
+        )  # fmt: skip
     return examples
+
+
+def example_options(cfg: Any) -> dict[str, Any]:
+    """``build_examples``'s ``budget`` and ``per_step`` for a run's config (``HamoConfig``)."""
+    return {
+        "budget": cfg.model.max_model_len - cfg.rollout.max_tokens,
+        "per_step": cfg.train.example_format == "step",
+    }
 
 
 def padding_fraction(batches: list[list[Example]]) -> float:

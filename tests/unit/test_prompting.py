@@ -73,8 +73,8 @@ def test_loss_mask_covers_exactly_the_action_tokens(tokenizer):
     assert labels[prompt_len:] == ids[prompt_len:]
 
 
-def test_one_example_per_action(tokenizer):
-    traj = Trajectory(
+def _abc() -> Trajectory:
+    return Trajectory(
         task=TaskSpec(domain="d", task="x", variation=0),
         goal="g",
         init_obs="o",
@@ -84,11 +84,128 @@ def test_one_example_per_action(tokenizer):
         done=True,
         source="expert",
     )
-    exs = trajectory_examples(traj, [], tokenizer, PromptConfig(), max_seq_len=4096)
-    assert len(exs) == 3
-    decoded = [tokenizer.decode([t for t, lab in zip(e.input_ids, e.labels) if lab != -100]) for e in exs]
-    assert decoded == ["a<|im_end|>", "b<|im_end|>", "c<|im_end|>"]
+
+
+def _targets(tok, example) -> list[str]:
+    """The labelled spans of an example, decoded one by one."""
+    spans, cur = [], []
+    for t, lab in zip(example.input_ids, example.labels):
+        if lab != -100:
+            cur.append(t)
+        elif cur:
+            spans.append(tok.decode(cur))
+            cur = []
+    return spans + ([tok.decode(cur)] if cur else [])
+
+
+def test_one_sequence_per_trajectory(tokenizer):
+    traj = _abc()
+    (ex,) = trajectory_examples(traj, [], tokenizer, PromptConfig(), max_seq_len=4096)
+    assert _targets(tokenizer, ex) == ["a<|im_end|>", "b<|im_end|>", "c<|im_end|>"]
+    # Every step's prompt, as the rollout sends it, is a prefix of the sequence, just before its reply.
+    for k, span_start in enumerate(
+        i for i in range(len(ex.labels)) if ex.labels[i] != -100 and ex.labels[i - 1] == -100
+    ):
+        messages, _ = step_example(traj, k, [], PromptConfig())
+        assert ex.input_ids[:span_start] == encode_chat(tokenizer, messages, True)
+    steps = trajectory_examples(traj, [], tokenizer, PromptConfig(), max_seq_len=4096, per_step=True)
+    assert [_targets(tokenizer, e) for e in steps] == [["a<|im_end|>"], ["b<|im_end|>"], ["c<|im_end|>"]]
+    assert sum(len(e.input_ids) for e in steps) > len(ex.input_ids)
     assert trajectory_examples(traj, [], tokenizer, PromptConfig(), max_seq_len=5) == []
+
+
+def test_a_sliding_window_gives_one_sequence_per_prefix(tokenizer):
+    exs = trajectory_examples(_abc(), [], tokenizer, PromptConfig(history_turns=1), max_seq_len=4096)
+    # Before b the window still holds the whole history (one turn); before c it slides.
+    assert [_targets(tokenizer, e) for e in exs] == [["a<|im_end|>", "b<|im_end|>"], ["c<|im_end|>"]]
+    exs = trajectory_examples(_abc(), [], tokenizer, PromptConfig(history_turns=0), max_seq_len=4096)
+    assert len(exs) == 3
+
+
+def _long_traj(n: int = 12) -> Trajectory:
+    return Trajectory(
+        task=TaskSpec(domain="scienceworld", task="x", variation=0),
+        goal="Your task is to find a living thing and focus on it.",
+        init_obs="This room is called the kitchen. " * 5,
+        actions=[f"open door to room {i}" for i in range(n)],
+        observations=[
+            f"The door to room {i} is now open. You see a table, a chair and a lamp." for i in range(n)
+        ],
+        score=100,
+        done=True,
+        source="expert",
+    )
+
+
+def test_trimmed_history_fits_the_budget_and_trains_what_inference_sent(tokenizer):
+    """Over the budget, the oldest half of the kept turns goes; each segment starts at a trim."""
+    from hamo_ray.prompting import ChatRenderer, fit_messages, history_starts
+
+    traj, pcfg = _long_traj(), PromptConfig()
+    renderer = ChatRenderer(tokenizer, None, budget=None)
+    full = len(renderer.encode(step_example(traj, len(traj.actions) - 1, [], pcfg)[0]))
+    budget = full // 2
+    renderer = ChatRenderer(tokenizer, None, budget=budget)
+    starts = history_starts(traj, [], pcfg, renderer.fits)
+    assert starts == sorted(starts) and starts[0] == 0 and starts[-1] > 0  # trimmed, only forward
+    # The rollout's turn-by-turn rule gives the same starts, and every prompt fits the budget.
+    start = 0
+    for k in range(len(traj.actions)):
+        start, messages = fit_messages(
+            traj.goal, traj.init_obs, [], traj.actions[:k], traj.observations[:k], pcfg,
+            domain="scienceworld", start=start, fits=renderer.fits,
+        )  # fmt: skip
+        assert start == starts[k] and len(renderer.encode(messages)) <= budget
+    exs = trajectory_examples(traj, [], tokenizer, pcfg, 4096, budget=budget)
+    assert len(exs) == len(set(starts))  # one sequence per kept-history segment
+    assert sum(len(_targets(tokenizer, e)) for e in exs) == len(traj.actions)  # every action once
+    k = 0
+    for ex in exs:
+        spans = [i for i in range(1, len(ex.labels)) if ex.labels[i] != -100 and ex.labels[i - 1] == -100]
+        for i in spans:
+            messages, _ = step_example(traj, k, [], pcfg, start=starts[k])
+            assert ex.input_ids[:i] == renderer.encode(messages)  # exactly the prompt the endpoint saw
+            k += 1
+    # Sliding the window every turn (history_turns) would make every prompt a new prefix.
+    window = trajectory_examples(traj, [], tokenizer, PromptConfig(history_turns=2), 4096)
+    assert len(window) == len(traj.actions) - 2
+
+
+def _summed_logprob_and_grads(model, examples):
+    import torch
+
+    from hamo_ray.training.packing import collate
+
+    model.zero_grad()
+    batch = collate(examples, packed=False)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    picked = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.hidden_index)
+    total = -torch.nn.functional.cross_entropy(picked.float(), batch.targets, reduction="sum")
+    total.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(total.detach()), grads
+
+
+def test_one_sequence_gives_the_per_step_loss_and_gradients(tokenizer, tmp_path_factory):
+    """The paper's sum over actions from one forward pass equals the per-step examples' sum."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hamo_ray.training.tiny_lm import make_random_backbone
+
+    torch.manual_seed(0)
+    path = make_random_backbone(tmp_path_factory.mktemp("grad") / "model")
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").float()
+    traj = _long_traj(5)
+    seq = trajectory_examples(traj, [_card()], tokenizer, PromptConfig(), 4096)
+    steps = trajectory_examples(traj, [_card()], tokenizer, PromptConfig(), 4096, per_step=True)
+    assert len(seq) == 1 and len(steps) == 5
+    a, ga = _summed_logprob_and_grads(model, seq)
+    b, gb = _summed_logprob_and_grads(model, steps)
+    assert a == pytest.approx(b, rel=1e-5)
+    assert ga.keys() == gb.keys() and ga
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_length_buckets_reduce_padding():
