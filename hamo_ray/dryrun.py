@@ -63,6 +63,10 @@ def _tokenizer(cfg: HamoConfig, out: Callable[[str], None]):
             return None
         path = str(built)
     out(f"tokenizer: {path}")
+    from hamo_ray.models import is_model_source, load_source_tokenizer
+
+    if is_model_source(path):  # a GGUF source: its converted folder's tokenizer, else the GGUF's own
+        return load_source_tokenizer(path, cfg.model.cache_dir)
     return AutoTokenizer.from_pretrained(path)
 
 

@@ -109,6 +109,13 @@ def shape_from_config(config: dict) -> ModelShape:
 
 def model_shape(cfg: HamoConfig) -> tuple[ModelShape | None, str]:
     """The backbone's shape and where it came from: ``model.path``'s config.json, else ``model.name``."""
+    from hamo_ray.models import is_model_source, source_config
+
+    if is_model_source(cfg.model.path):  # a GGUF source: its converted config.json, else its metadata
+        try:
+            return shape_from_config(source_config(cfg.model.path, cfg.model.cache_dir)), cfg.model.path
+        except (KeyError, ValueError):  # ConfigError is a ValueError: fall back to the known shapes
+            pass
     config_file = Path(cfg.model.path).expanduser() / "config.json"
     if cfg.model.path != "embedded" and config_file.is_file():
         try:

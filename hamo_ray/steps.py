@@ -73,9 +73,16 @@ class EnvPools:
 
 
 def resolve_backbone(cfg: HamoConfig, folder: RunFolder, pools: EnvPools) -> str:
-    """``model.path``, or the embedded backbone (built once per settings from expert episodes, cached)."""
-    folder.backbone = cfg.model.path
-    if cfg.model.path == "embedded":
+    """``model.path`` as the HF folder (or hub id) that training and serving load.
+
+    A GGUF file or a packaged model is converted once into ``model.cache_dir`` (``hamo_ray.models``);
+    the embedded backbone is built once per settings from expert episodes (cached).
+    """
+    if cfg.model.path != "embedded":
+        from hamo_ray.models import resolve_model_path
+
+        folder.backbone = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    else:
         from hamo_ray.training.backbone import ensure_backbone
 
         def experts(domain: str, tasks: list[TaskSpec]) -> list[Trajectory]:

@@ -48,8 +48,19 @@ logger = logging.getLogger(__name__)
 
 
 def check_model_path(path: str) -> None:
-    """A local-looking model path must exist; a hub id (``org/name``) is left to ``from_pretrained``."""
+    """A local-looking model path must exist; a hub id (``org/name``) is left to ``from_pretrained``.
+
+    A packaged model name or a ``*.gguf`` file gets the cheap check of ``hamo_ray.models`` (package
+    installed, file there, GGUF magic); it is converted into an HF folder only when the run starts.
+
+    Raises:
+        ConfigError: a missing path, an unknown packaged name, a missing package or a non-GGUF file.
+    """
+    from hamo_ray.models import check_model_source
+
     if path == "embedded":
+        return
+    if check_model_source(path) is not None:  # a packaged model or a GGUF file (a bare unknown name raises)
         return
     looks_local = path.startswith(("/", ".", "~")) or Path(path).expanduser().exists() or path.count("/") != 1
     if looks_local and not Path(path).expanduser().exists():

@@ -50,11 +50,15 @@ logger = logging.getLogger("hamo_ray.jobs.serve")
 def _model_path(cfg: HamoConfig, run: Path) -> str:
     """The base model folder: ``model.path``, else the embedded backbone's cache folder.
 
-    The cache folder is named by a hash of the settings; when code changes moved that name, the
-    folder the run's adapters were trained on (peft's ``base_model_name_or_path``) is used.
+    A GGUF file or a packaged model is the HF folder it was converted into (``hamo_ray.models``;
+    converted now if the cache lost it). The embedded cache folder is named by a hash of the settings;
+    when code changes moved that name, the folder the run's adapters were trained on (peft's
+    ``base_model_name_or_path``) is used.
     """
     if cfg.model.path != "embedded":
-        return cfg.model.path
+        from hamo_ray.models import resolve_model_path
+
+        return resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     from hamo_ray.training.backbone import backbone_path
 
     state = run / "state.json"

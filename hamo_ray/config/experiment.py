@@ -84,7 +84,11 @@ class MethodConfig(_Cfg):
 
 
 class ModelConfig(_Cfg):
-    path: str = "embedded"  # "embedded" builds (once) the project's tiny model; else an HF path or hub id
+    # "embedded" builds (once) the project's tiny model; else an HF folder or hub id, a *.gguf file, or a
+    # packaged model name (hamo_ray.models.PACKAGED_MODELS, e.g. smollm2-135m-instruct)
+    path: str = "embedded"
+    # GGUF files and packaged models are converted (once) into HF folders here, named by content hash
+    cache_dir: str = "~/.cache/hamo_ray/models"
     name: str = "base"  # the served name of the backbone
     max_model_len: int = 1024
     dtype: str = "float32"  # CPU: float32 beat bfloat16 in vLLM; GPUs: bfloat16
