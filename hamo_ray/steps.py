@@ -26,6 +26,27 @@ from hamo_ray.types import StageResult, TaskSpec, Trajectory
 logger = logging.getLogger(__name__)
 
 
+SEED_PURPOSES = ("evaluate", "train", "explore", "dpo")
+
+
+def stage_seed(run_seed: int, stage: int, purpose: str) -> int:
+    """The seed of one random process of one stage of a run: distinct for every (seed, stage, purpose).
+
+    It depends on the run seed and the stage only, never on the method, so the methods of one seed share
+    each stage's evaluation draws (paired differences stay meaningful) while every stage draws anew
+    (``run.seed + stage`` made seed 0 stage 2 equal seed 1 stage 1). Rollouts derive each turn's
+    sampling seed from it and the episode (``rollout.worker``).
+
+    Raises:
+        ValueError: an unknown ``purpose`` (one of ``SEED_PURPOSES``).
+    """
+    import zlib
+
+    if purpose not in SEED_PURPOSES:
+        raise ValueError(f"unknown seed purpose {purpose!r} (one of {', '.join(SEED_PURPOSES)})")
+    return zlib.crc32(f"hamo/{run_seed}/{stage}/{purpose}".encode()) & 0x7FFFFFFF
+
+
 def split_stages(tasks_by_type: dict[str, list[TaskSpec]], num_stages: int) -> list[list[TaskSpec]]:
     """Sample-disjoint stage subsets, each covering every task type (round-robin within a type)."""
     stages: list[list[TaskSpec]] = [[] for _ in range(num_stages)]

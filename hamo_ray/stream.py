@@ -38,6 +38,7 @@ from hamo_ray.steps import (
     resolve_backbone,
     select,
     split_stages,
+    stage_seed,
     stage_tasks,
 )
 from hamo_ray.types import StageResult, TaskSpec, Trajectory
@@ -235,6 +236,13 @@ class Stream:
         tasks = self.stage_tasks[stage - 1]
         got = self._pool(domain).run(tasks, None, desc=f"stage {stage} expert episodes ({domain})")
         ok = [t for t in got if t.error is None and t.actions and t.score > 0]
+        cut = sum(not t.done and len(t.actions) >= self.cfg.env.max_turns for t in got if t.error is None)
+        if cut:
+            logger.warning(
+                "collect: %d of %d expert plans were cut at env.max_turns=%d (evaluation stops there); "
+                "%d of them still scored and are kept",
+                cut, len(got), self.cfg.env.max_turns, sum(not t.done for t in ok),
+            )  # fmt: skip
         if len(ok) < len(got):
             logger.warning(
                 "collect: %d of %d expert episodes failed or scored 0 and are left out",
@@ -270,7 +278,7 @@ class Stream:
         )  # fmt: skip
         result = train_model(
             model_path, examples, self.folder.path / rel, cfg.train, self.folder.path / "train",
-            pad_id=tokenizer.pad_token_id, init_adapter=str(prev) if prev else None, seed=cfg.run.seed + stage,
+            pad_id=tokenizer.pad_token_id, init_adapter=str(prev) if prev else None, seed=stage_seed(cfg.run.seed, stage, "train"),
             name=f"stage-{stage}", group=group_for(self, cfg.train),
         )  # fmt: skip
         self.tracker.log_steps(result.step_metrics, "train")  # numbered on from earlier stages
@@ -289,7 +297,7 @@ class Stream:
         from hamo_ray.training.group import group_for
 
         cfg, model_path = self.cfg, self.model_path
-        spec = self.endpoint.spec(bc_name, cfg, seed=cfg.run.seed + 7919)  # the run's key and template kwargs
+        spec = self.endpoint.spec(bc_name, cfg, seed=stage_seed(cfg.run.seed, stage, "explore"))
         explored = self._pool(domain).run(
             [t.task for t in trajs], spec, desc=f"stage {stage} ETO exploration"
         )
@@ -305,7 +313,7 @@ class Stream:
         rel = f"adapters/stage-{stage}"
         result = train_dpo(
             model_path, str(self.folder.path / bc_path), encoded, self.folder.path / rel, cfg.train,
-            self.folder.path / "train", pad_id=tokenizer.pad_token_id, seed=cfg.run.seed + stage,
+            self.folder.path / "train", pad_id=tokenizer.pad_token_id, seed=stage_seed(cfg.run.seed, stage, "dpo"),
             name=f"stage-{stage}-dpo", group=group_for(self, cfg.train),
         )  # fmt: skip
         self.tracker.log_steps(result.step_metrics, "dpo")
@@ -316,6 +324,9 @@ class Stream:
     def _evaluate(self, stage: int, model: str | None) -> tuple[dict[str, float], dict[str, float]]:
         cfg = self.cfg
         spec = self.endpoint.spec(
-            model or cfg.model.name, cfg, seed=cfg.run.seed, retrieval=cfg.method.retrieval
+            model or cfg.model.name,
+            cfg,
+            seed=stage_seed(cfg.run.seed, stage, "evaluate"),
+            retrieval=cfg.method.retrieval,
         )
         return evaluate(self._pool, self.folder, stage, self.test_tasks, spec)

@@ -124,7 +124,8 @@ class EnvWorker:
         score, done, tokens = 0.0, False, 0
         if client is None:
             plan = await self._call(env.expert_actions)
-            turns, cards, extra = min(len(plan), self.env_cfg.max_turns * 4), [], {"source": "expert"}
+            # Cut at the turn cap evaluation stops at: no training step that inference can never reach.
+            turns, cards, extra = min(len(plan), self.env_cfg.max_turns), [], {"source": "expert"}
         else:
             # Retrieved once per episode: every turn carries the same cards, as every training
             # example of a trajectory does (and cards_used records them).
