@@ -9,7 +9,7 @@ Layout (``runs/<run_id>/``)::
     episodes/stage-t-<domain>.jsonl  evaluation episodes
     adapters/stage-t/       peft adapters (loadable by vLLM and peft)
     train/                  Ray Train storage
-    results/scores.csv      one row per stage x domain
+    results/scores.csv      one row per stage x domain (score, episodes, failed episodes: not in the score)
     results/metrics.json    averages, final scores, forgetting
 
 A stage counts only once ``state.json`` lists it; a half-written stage is redone on resume.
@@ -188,10 +188,19 @@ class RunFolder:
     def write_results(self, stages: list[StageResult]) -> None:
         buf = io.StringIO()
         writer = csv.writer(buf)
-        writer.writerow(["stage", "domain", "method", "score"])
+        writer.writerow(["stage", "domain", "method", "score", "episodes", "failed"])
         for s in stages:
             for domain, score in sorted(s.scores.items()):
-                writer.writerow([s.stage, domain, s.method, f"{score:.4f}"])
+                counts = [s.evaluation.get(f"{k}/{domain}") for k in ("episodes", "failed")]
+                writer.writerow(
+                    [
+                        s.stage,
+                        domain,
+                        s.method,
+                        f"{score:.4f}",
+                        *("" if c is None else int(c) for c in counts),
+                    ]
+                )
         atomic_write(self.path / "results" / "scores.csv", buf.getvalue())
         initial = next((s.scores for s in stages if s.stage == 0), None)
         trained = [s for s in stages if s.stage > 0]

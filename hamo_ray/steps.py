@@ -152,25 +152,38 @@ def evaluate(
     """Stage step 7: every domain's test tasks against the endpoint; the episodes are saved.
 
     Returns:
-        Domain -> mean score (0-100), and the evaluation's figures: ``episodes``,
-        ``seconds_per_episode`` (wall time over all domains / episodes) and, where the endpoint reports
-        vLLM's counters, ``prefix_cache_hit_rate`` (prompt tokens served from the prefix cache).
+        Domain -> mean score (0-100) over the episodes that ran (an episode that failed, e.g. its
+        prompt refused as too long, is left out of the mean and counted apart, never scored 0), and the
+        evaluation's figures: ``episodes`` and ``failed_episodes`` (also per domain,
+        ``episodes/<domain>``, ``failed/<domain>``), ``seconds_per_episode`` (wall time over all domains
+        / episodes) and, where the endpoint reports vLLM's counters, ``prefix_cache_hit_rate`` (prompt
+        tokens served from the prefix cache).
     """
     import time
 
     from hamo_ray.serving.client import hit_rate, prefix_cache_counters
 
-    scores, episodes, start = {}, 0, time.perf_counter()
+    scores, stats, episodes, n_failed, start = {}, {}, 0, 0, time.perf_counter()
     before = prefix_cache_counters(spec.base_url, spec.api_key)
     for domain, tasks in test_tasks.items():
         trajs = pools(domain).run(tasks, spec, desc=f"stage {stage} evaluation ({domain})")
         folder.save_episodes(stage, domain, trajs)
         failed = [t for t in trajs if t.error]
+        played = [t for t in trajs if not t.error]
         if failed:
-            logger.warning("evaluate: %d %s episodes failed: %s", len(failed), domain, failed[0].error)
-        scores[domain] = sum(t.score for t in trajs) / len(trajs)
+            logger.warning(
+                "evaluate: %d %s episodes failed (left out of the score, counted apart): %s",
+                len(failed), domain, failed[0].error,
+            )  # fmt: skip
+        scores[domain] = sum(t.score for t in played) / len(played) if played else 0.0
+        stats[f"episodes/{domain}"], stats[f"failed/{domain}"] = len(trajs), len(failed)
         episodes += len(trajs)
-    stats = {"episodes": episodes, "seconds_per_episode": (time.perf_counter() - start) / max(1, episodes)}
+        n_failed += len(failed)
+    stats |= {
+        "episodes": episodes,
+        "failed_episodes": n_failed,
+        "seconds_per_episode": (time.perf_counter() - start) / max(1, episodes),
+    }
     rate = hit_rate(before, prefix_cache_counters(spec.base_url, spec.api_key))
     if rate is not None:
         stats["prefix_cache_hit_rate"] = rate

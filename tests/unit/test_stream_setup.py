@@ -89,7 +89,7 @@ def test_finished_run_is_not_overwritten_silently(tmp_path):
     assert len(state["stages"]) == 1
     assert (tmp_path / "r1" / "results" / "scores.csv").read_text().splitlines()[
         1
-    ] == "1,scienceworld,hamo,10.0000"
+    ] == "1,scienceworld,hamo,10.0000,,"  # no episode counts recorded for this stage
 
 
 def test_constructor_only_validates(tmp_path):
