@@ -12,6 +12,7 @@ from hamo_ray.stream import Stream
 
 
 @pytest.mark.timeout(1800)
+@pytest.mark.slow  # ~4.5 min on 2 cores: bash scripts/test.sh -m slow tests/ray/test_cross_domain.py
 def test_cross_domain_stream(ray_session, tmp_path):
     cfg = load_config(
         "jobs/configs/tiny-cross.yaml",

@@ -74,6 +74,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow  # ~5.5 min on 2 cores: bash scripts/test.sh -m slow tests/ray/test_resume.py (resume logic: tests/unit/test_stream_setup.py)
 def test_killed_stream_resumes_without_duplicates(tmp_path):
     root = tmp_path / "runs"
     log = tmp_path / "stream.log"
