@@ -7,8 +7,8 @@ environment that raises is closed and replaced, and its episode retried from the
 
 Prompts are built here, with ``hamo_ray.prompting.fit_messages`` (the context rule training examples
 use: the whole history, trimmed oldest-first only when the prompt would outgrow the token budget,
-counted with the backbone's tokenizer and chat template) and the run's prompt config: the cards are retrieved from the harness once per episode and
-the same cards go into every turn, as in the training examples of that trajectory. The policy
+counted with the backbone's tokenizer and chat template) and the run's prompt config: the cards are
+retrieved from the harness once per episode and the same cards go into every turn, as in the training examples of that trajectory. The policy
 endpoint only renders the messages with the chat template (``chat_template_kwargs`` sent along),
 so any OpenAI-compatible server (vLLM's own included) can serve rollouts. Replies are parsed in
 ``prompt.reply_format`` (``prompting.parse_reply``); react thoughts are kept in the trajectory.
