@@ -29,7 +29,9 @@ from hamo_ray.types import TaskSpec, Trajectory
 logger = logging.getLogger(__name__)
 
 
-def _turn_seed(seed: int | None, task: TaskSpec, turn: int) -> int | None:
+def turn_seed(seed: int | None, task: TaskSpec, turn: int) -> int | None:
+    """The sampling seed of one turn of one episode: a hash of the stage's seed, the task and the turn
+    (None: unseeded)."""
     if seed is None:
         return None
     return zlib.crc32(f"{seed}/{task.id}/{turn}".encode()) & 0x7FFFFFFF
@@ -146,7 +148,7 @@ class EnvWorker:
                     goal, init_obs, cards, actions, observations, pcfg,
                     domain=task.domain, thoughts=thoughts, start=start, fits=fits,
                 )  # fmt: skip
-                reply, used = await client.act(messages, seed=_turn_seed(client.spec.seed, task, turn))
+                reply, used = await client.act(messages, seed=turn_seed(client.spec.seed, task, turn))
                 tokens += used
                 thought, action = parse_reply(reply, pcfg.reply_format)
                 if react:

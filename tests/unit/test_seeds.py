@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hamo_ray.rollout.worker import _turn_seed
+from hamo_ray.rollout.worker import turn_seed
 from hamo_ray.steps import SEED_PURPOSES, stage_seed
 from hamo_ray.types import TaskSpec
 
@@ -19,9 +19,9 @@ def test_stage_seeds_are_distinct_for_every_seed_stage_and_purpose():
         stage_seed(0, 1, "sampling")
 
 
-def test_turn_seeds_differ_across_stages_and_episodes():
+def testturn_seeds_differ_across_stages_and_episodes():
     task, other = TaskSpec(domain="d", task="x", variation=0), TaskSpec(domain="d", task="x", variation=1)
     s1, s2 = stage_seed(0, 1, "evaluate"), stage_seed(0, 2, "evaluate")
-    draws = {_turn_seed(s, t, turn) for s in (s1, s2) for t in (task, other) for turn in range(3)}
+    draws = {turn_seed(s, t, turn) for s in (s1, s2) for t in (task, other) for turn in range(3)}
     assert len(draws) == 12
-    assert _turn_seed(None, task, 0) is None
+    assert turn_seed(None, task, 0) is None
