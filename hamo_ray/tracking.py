@@ -164,9 +164,13 @@ class Tracker:
 
 
 def stage_scalars(result) -> dict[str, float]:
-    """What a committed ``StageResult`` records: scores per domain, budget, memory size, loss, phase times."""
+    """What a committed ``StageResult`` records: scores per domain, budget, memory size, loss, phase times.
+
+    With ``method.release`` also the release figures (``release/replayed``, ``release/released``, ...).
+    """
     values: dict[str, float] = {f"score/{d}": v for d, v in result.scores.items()}
     values.update({f"seconds/{phase}": v for phase, v in result.seconds.items()})
+    values.update({f"release/{k}": v for k, v in result.release.items()})
     values["stage/budget"] = result.budget
     values["stage/trajectories"] = result.num_trajectories
     values["memory/cards"] = result.num_cards

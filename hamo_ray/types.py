@@ -142,6 +142,11 @@ class StageResult(_Frozen):
     seconds: dict[str, float]  # phase -> wall seconds
     # The evaluation's figures: episodes, seconds_per_episode, prefix_cache_hit_rate (vLLM's counters)
     evaluation: dict[str, float] = Field(default_factory=dict)
+    # Step 6 (method.release; empty otherwise): replayed, released, replay_failed, replay_mean_score (the
+    # anchors replayed with the new adapter and no cards), followup_checked, followup_solved (the previous
+    # stage's released cards' tasks replayed again with this stage's adapter, and how many still solved).
+    release: dict[str, float] = Field(default_factory=dict)
+    released: list[str] = Field(default_factory=list)  # card ids this stage released (step 6)
 
     @classmethod
     def initial(
