@@ -26,7 +26,7 @@ from hamo_ray.types import StageResult, TaskSpec, Trajectory
 logger = logging.getLogger(__name__)
 
 
-SEED_PURPOSES = ("evaluate", "train", "explore", "dpo")
+SEED_PURPOSES = ("evaluate", "train", "explore", "dpo", "release")
 
 
 def stage_seed(run_seed: int, stage: int, purpose: str) -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from hamo_ray.cluster import check_serve_port, start_ray
 from hamo_ray.config import ConfigError, HamoConfig
-from hamo_ray.memory.pipeline import release_internalised, training_experience
+from hamo_ray.memory.pipeline import internalised, release_internalised, training_experience
 from hamo_ray.run_folder import PhaseClock, RunFolder
 from hamo_ray.runtime import Endpoint, Services
 from hamo_ray.steps import (
@@ -196,6 +196,7 @@ class Stream:
         with clock("replay"):  # 4. earlier stages' anchors
             replayed = replay(cfg, self.folder, stage, done, len(anchors))
         adapter = name = loss = None
+        released, release = [], {}  # step 6's card ids and figures (method.release)
         if m.train:
             tag = "-bc" if m.dpo else ""  # ETO: behavioural cloning first, DPO on top
             prev = next((self.folder.path / r.adapter for r in reversed(done) if r.adapter), None)
@@ -209,9 +210,8 @@ class Stream:
                 with clock("dpo"):
                     adapter, name, loss = self._eto(stage, domain, trajs, adapter, name, loss)
             if m.release and store is not None:  # docs/method.md step 6
-                logger.info(
-                    "release: %d cards marked released", release_internalised(store, anchors, cfg.memory)
-                )
+                with clock("release"):
+                    released, release = self._release(stage, domain, anchors, store, name, done)
         with clock("evaluate"):  # 7. every domain's test set
             scores, stats = self._evaluate(stage, name)
         return StageResult(
@@ -219,6 +219,7 @@ class Stream:
             num_cards=store.count() if store is not None else 0, budget=budget,
             anchors=[t.id for t in anchors], replay=[t.id for t in replayed], adapter=adapter,
             adapter_name=name, train_loss=loss, scores=scores, seconds=clock.seconds, evaluation=stats,
+            release=release, released=released,
         )  # fmt: skip
 
     def _collect(self, stage: int, domain: str) -> list[Trajectory]:
@@ -320,6 +321,66 @@ class Stream:
         name = self.services.adapter_name(stage)
         self.services.publish(name, rel)
         return rel, name, result.loss
+
+    def _release(
+        self, stage: int, domain: str, anchors: list[Trajectory], store, adapter_name: str, done: list
+    ) -> tuple[list[str], dict[str, float]]:
+        """Step 6: release the cards of the anchors the new adapter solves without any card.
+
+        The anchors' tasks are replayed by ``adapter_name`` (the stage's final adapter: for ETO the DPO
+        one) with retrieval off, so no card at all is injected, not only the anchor's own (the simplest
+        faithful reading of "internalised"); a card goes when its replay reached
+        ``memory.release_min_score`` without error (``release_internalised``). In the same rollout the
+        tasks of the cards the previous stage released are replayed again, the same way: how many are
+        still solved says whether a released card's task stays solved one stage later (measured only,
+        nothing is un-released). One seed, ``stage_seed(run.seed, stage, "release")``, for both.
+
+        Returns:
+            The card ids released, and the figures for ``StageResult.release``: ``replayed``,
+            ``released``, ``replay_failed`` (replays with an error), ``replay_mean_score`` (over the
+            replays without error), ``followup_checked``, ``followup_solved``.
+        """
+        cfg = self.cfg
+        prev = next((r for r in done if r.stage == stage - 1), None)
+        followup: list[Trajectory] = []
+        if prev is not None and prev.released:
+            wanted = set(prev.released)
+            followup = [t for t in self.folder.load_trajectories(prev.stage) or [] if t.card_id in wanted]
+            if len(followup) < len(wanted):
+                logger.warning(
+                    "release: %d of stage %d's %d released cards have no stored trajectory; not followed up",
+                    len(wanted) - len(followup), prev.stage, len(wanted),
+                )  # fmt: skip
+        spec = self.endpoint.spec(
+            adapter_name, cfg, seed=stage_seed(cfg.run.seed, stage, "release"), retrieval=False
+        )
+        tasks = [t.task for t in anchors] + [t.task for t in followup]
+        by_domain: dict[str, list[int]] = {}  # one rollout per domain (cross-domain follow-ups differ)
+        for i, task in enumerate(tasks):
+            by_domain.setdefault(task.domain, []).append(i)
+        episodes: list[Trajectory | None] = [None] * len(tasks)
+        for d, idx in by_domain.items():
+            got = self._pool(d).run([tasks[i] for i in idx], spec, desc=f"stage {stage} release replay ({d})")
+            for i, t in zip(idx, got, strict=True):
+                episodes[i] = t
+        replays, again = episodes[: len(anchors)], episodes[len(anchors) :]
+        ids = release_internalised(store, anchors, replays, cfg.memory)
+        ran = [t.score for t in replays if t.error is None]
+        figures = {
+            "replayed": float(len(replays)),
+            "released": float(len(ids)),
+            "replay_failed": float(len(replays) - len(ran)),
+            "replay_mean_score": sum(ran) / len(ran) if ran else 0.0,
+            "followup_checked": float(len(again)),
+            "followup_solved": float(sum(internalised(t, cfg.memory) for t in again)),
+        }
+        logger.info(
+            "release: stage %d (%s): %d of %d anchors solved without cards (mean %.1f, %d failed) -> "
+            "cards released; follow-up: %d of the %d released at stage %d still solved",
+            stage, domain, len(ids), len(replays), figures["replay_mean_score"], len(replays) - len(ran),
+            int(figures["followup_solved"]), len(again), stage - 1,
+        )  # fmt: skip
+        return ids, figures
 
     def _evaluate(self, stage: int, model: str | None) -> tuple[dict[str, float], dict[str, float]]:
         cfg = self.cfg

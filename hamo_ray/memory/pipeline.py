@@ -294,21 +294,51 @@ def write_cards(ds: ray.data.Dataset, store: MemoryStore, batch_size: int = 256)
     return write_cards_report(ds, store, batch_size).added
 
 
-def release_internalised(store: MemoryStore, trajectories: Sequence[Trajectory], mcfg: MemoryConfig) -> int:
-    """docs/method.md step 6: mark the cards of trained trajectories of high quality as released.
+def internalised(replay: Trajectory, mcfg: MemoryConfig) -> bool:
+    """Whether a replay episode (a trained task played again without cards) counts as solved.
 
-    Called when ``method.release`` is on; released cards stay in the table, search skips them.
+    Solved: it ran to the end (no ``error``) and scored at least ``mcfg.release_min_score``.
+    """
+    return replay.error is None and replay.score >= mcfg.release_min_score
+
+
+def release_internalised(
+    store: MemoryStore, anchors: Sequence[Trajectory], replays: Sequence[Trajectory], mcfg: MemoryConfig
+) -> list[str]:
+    """docs/method.md step 6: release the cards of the anchors the trained model has internalised.
+
+    Called after training when ``method.release`` is on. ``replays`` are the anchors' tasks played
+    again by the new adapter with no card injected (``Stream._release`` runs them with retrieval off);
+    they are matched to the anchors by task id (``TaskSpec.id``). An anchor's card is released when its
+    task has at least one replay and every replay of it is :func:`internalised` (no error, score >=
+    ``mcfg.release_min_score``); an anchor without a replay keeps its card. Released cards stay in the
+    table; search skips them from then on.
 
     Args:
         store: the memory (the writer's).
-        trajectories: the trajectories just trained on (anchors).
+        anchors: the trajectories just trained on (the stage's anchors).
+        replays: the replay episodes, any order.
         mcfg: its ``release_min_score`` threshold.
 
     Returns:
-        How many cards were newly released.
+        The card ids released, in anchor order (all passed to ``store.release``, which counts as new
+        only those not released before, e.g. on a redone stage).
+
+    Raises:
+        ValueError: a replay whose task is no anchor's task (nothing is released then).
     """
-    ids = [t.card_id for t in trajectories if t.score >= mcfg.release_min_score]
-    return store.release(ids)
+    by_task: dict[str, list[Trajectory]] = {a.task.id: [] for a in anchors}
+    for r in replays:
+        if r.task.id not in by_task:
+            raise ValueError(f"release: replay of task {r.task.id!r} belongs to no anchor")
+        by_task[r.task.id].append(r)
+    ids = [
+        a.card_id
+        for a in anchors
+        if by_task[a.task.id] and all(internalised(r, mcfg) for r in by_task[a.task.id])
+    ]
+    store.release(ids)
+    return ids
 
 
 def training_experience(
