@@ -20,8 +20,9 @@ class MemoryConfig(_Cfg):
     distiller: Literal["outline", "llm"] = "outline"  # "llm": an OpenAI-compatible endpoint (below)
     batch_size: int = 64
     # LLM distiller (hamo_ray.memory.distill_llm): endpoint, bounded concurrency, retries, validation.
-    llm_base_url: str | None = None  # e.g. http://127.0.0.1:8000/v1; required when distiller="llm"
-    llm_model: str = "base"  # the served model name
+    # e.g. http://127.0.0.1:8000/v1, or "policy": the run's own endpoint and base model (bound at start)
+    llm_base_url: str | None = None  # required when distiller="llm"
+    llm_model: str = "base"  # the served model name (with "policy": model.name)
     llm_api_key: str = "EMPTY"
     llm_concurrency: int = 8  # requests in flight per distiller task
     distil_tasks: int = 2  # concurrent distiller tasks: at most distil_tasks * llm_concurrency requests
@@ -31,6 +32,9 @@ class MemoryConfig(_Cfg):
     llm_temperature: float = 0.0
     llm_max_outline_chars: int = 1200  # longer outlines are "runaway": retried, then the fallback
     llm_fallback: str = "outline"  # the distiller used when the LLM keeps failing
+    # chat-template variables sent with each request (e.g. {enable_thinking: false}); with "policy":
+    # the model's own (model.enable_thinking) unless set here
+    llm_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     embed_actors: int = 1  # Embedder actors in the pipeline
     # Index switch: exact (flat) search below this many rows; an ANN index (cosine) above it.
     index_threshold: int = 50_000

@@ -2,15 +2,23 @@
 
 Any server speaking ``POST {base_url}/chat/completions`` works: the project's own Serve app, a vLLM
 server of a larger teacher model, a hosted API. Selected with ``memory.distiller=llm`` and
-``memory.llm_base_url=http://host:port/v1``; it runs inside the Ray Data card pipeline, one
-distiller per task, each with at most ``memory.llm_concurrency`` requests in flight.
+``memory.llm_base_url=http://host:port/v1``, or ``memory.llm_base_url=policy``: the run's own policy
+endpoint and its base model (no adapter), bound when the stream starts (``bind_policy``). It runs
+inside the Ray Data card pipeline, one distiller per task, each with at most ``memory.llm_concurrency``
+requests in flight.
 
-Per trajectory: one request with :data:`PROMPT_TEMPLATE`; the reply is normalised to one line of
-numbered steps (``1. ...; 2. ...``) and validated. An *empty* outline (no step left) or a *runaway*
-one (longer than ``llm_max_outline_chars``, or cut by the token limit) is retried, as are HTTP
-errors and timeouts, up to ``llm_max_retries`` times with a short exponential back-off; after that
-the deterministic distiller (``llm_fallback``, "outline" by default) writes the outline, and the row
-is counted as a fallback (``outline_source == "fallback"``)::
+Per trajectory: one request with :data:`PROMPT_TEMPLATE`. The model sees the goal, the initial
+observation and every action *with the observation it produced* (clipped: :data:`MAX_STEP_OBS_CHARS`
+each), and is asked for subgoals with their purpose, in the task's own terms: what is specific to the
+variation (which animal, which room) is to be stated as the rule that found it ("the animal with the
+longest lifespan among those outside"), unless the goal itself names it. The paper's cards are
+strategy-level (the steps and their purpose), not action logs; the prompt is the project's choice
+(the paper does not publish its own). The reply is normalised to one line of numbered steps
+(``1. ...; 2. ...``) and validated. An *empty* outline (no step left) or a *runaway* one (longer than
+``llm_max_outline_chars``, or cut by the token limit) is retried, as are HTTP errors and timeouts, up
+to ``llm_max_retries`` times with a short exponential back-off; after that the deterministic distiller
+(``llm_fallback``, "outline" by default) writes the outline, and the row is counted as a fallback
+(``outline_source == "fallback"``; the stage's ``distil`` figures and log line count them)::
 
     from hamo_ray.config import MemoryConfig
     distiller = LLMDistiller.from_config(MemoryConfig(distiller="llm", llm_base_url="http://127.0.0.1:8000/v1"))
@@ -36,42 +44,56 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+POLICY = "policy"  # memory.llm_base_url value: the run's own policy endpoint (bound by the stream)
+
 SYSTEM_PROMPT = (
-    "You distil an agent's successful trajectory into a reusable, strategy-level solution outline "
-    "for similar tasks."
+    "You turn an agent's successful episode into a short strategy that solves other variations of the "
+    "same task."
 )
-# The prompt template: {goal}, {init_obs} and {actions} (one numbered action a line) are filled in.
-# It asks for numbered steps naming their purpose, concrete object names kept, no observations.
+# {goal}, {init_obs}, {steps} (one numbered action a line, its observation indented below) and
+# {max_steps} are filled in.
 PROMPT_TEMPLATE = """Task: {goal}
 Initial observation: {init_obs}
-Actions that solved it:
-{actions}
 
-Write the solution outline: at most {max_steps} numbered steps, one per line, each a short
-imperative sentence saying what to do and, when useful, why. Group navigation into one step
-("navigate to the kitchen"), drop looking around and inventory checks, keep the concrete object
-names. Answer with the numbered steps only."""
+The agent solved it. Its actions, each followed by what the environment answered:
+{steps}
 
-MAX_PROMPT_ACTIONS = 60  # longer action lists keep their first and last 30 actions
-MAX_OBS_CHARS = 600
+Write the strategy for this kind of task: at most {max_steps} numbered steps, one per line. Each step
+is a subgoal and its purpose, e.g. "Go outside, where the animals are, to compare them." Group
+navigation into one step and drop looking around. Where this episode picked something particular
+(an animal, an object, a room), say how it was chosen ("the animal with the longest lifespan"), not
+its name, unless the task names it. Answer with the numbered steps only."""
+
+MAX_PROMPT_ACTIONS = 40  # longer episodes keep their first and last 20 steps
+MAX_OBS_CHARS = 600  # the initial observation
+MAX_STEP_OBS_CHARS = 160  # each step's observation
 _STEP = re.compile(r"^\s*(?:\d+\s*[.):-]|[-*•])\s*")
 _FENCE = re.compile(r"^```.*$", re.MULTILINE)
+_THINK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)
 
 
 class InvalidOutline(ValueError):
     """The endpoint answered, but the outline is empty or runaway."""
 
 
+def _clip(text: str, max_chars: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= max_chars else text[: max_chars - 3].rstrip() + "..."
+
+
 def build_prompt(traj: Trajectory, max_steps: int = 12) -> str:
-    """The user message for one trajectory (see :data:`PROMPT_TEMPLATE`)."""
-    actions = list(traj.actions)
-    if len(actions) > MAX_PROMPT_ACTIONS:
+    """The user message for one trajectory (see :data:`PROMPT_TEMPLATE`): actions with their observations."""
+    steps = [
+        f"{i}. > {action}\n   {_clip(obs, MAX_STEP_OBS_CHARS)}"
+        for i, (action, obs) in enumerate(zip(traj.actions, traj.observations, strict=True), start=1)
+    ]
+    if len(steps) > MAX_PROMPT_ACTIONS:
         half = MAX_PROMPT_ACTIONS // 2
-        actions = [*actions[:half], "...", *actions[-half:]]
+        steps = [*steps[:half], f"... ({len(steps) - 2 * half} steps left out) ...", *steps[-half:]]
     return PROMPT_TEMPLATE.format(
         goal=traj.goal.strip(),
-        init_obs=traj.init_obs.strip()[:MAX_OBS_CHARS],
-        actions="\n".join(f"{i}. {a}" for i, a in enumerate(actions, start=1)),
+        init_obs=_clip(traj.init_obs, MAX_OBS_CHARS),
+        steps="\n".join(steps),
         max_steps=max_steps,
     )
 
@@ -92,7 +114,10 @@ def normalise_outline(text: str, max_chars: int, truncated: bool = False) -> str
     """
     if truncated:
         raise InvalidOutline("runaway: the reply hit the token limit")
-    lines = [_STEP.sub("", line).strip() for line in _FENCE.sub("", text or "").splitlines()]
+    from hamo_ray.prompting import strip_reasoning
+
+    text = strip_reasoning(text or "")
+    lines = [_STEP.sub("", line).strip() for line in _FENCE.sub("", text).splitlines()]
     steps = [" ".join(line.split()) for line in lines if line.strip()]
     if len(steps) == 1 and "; " in steps[0]:  # already one line of "1. a; 2. b"
         steps = [_STEP.sub("", s).strip() for s in steps[0].split("; ") if s.strip()]
@@ -119,6 +144,8 @@ class LLMDistiller:
         max_outline_chars: longer outlines are runaway.
         fallback: the registered distiller used when every try failed.
         backoff_s: the first retry waits this long, doubling each time.
+        chat_template_kwargs: template variables sent with each request (e.g. Qwen3's
+            ``enable_thinking: false``); None sends none.
     """
 
     def __init__(
@@ -134,6 +161,7 @@ class LLMDistiller:
         max_outline_chars: int = 1200,
         fallback: str = "outline",
         backoff_s: float = 0.2,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         import httpx
 
@@ -145,6 +173,7 @@ class LLMDistiller:
         self.temperature = temperature
         self.max_outline_chars = max_outline_chars
         self.backoff_s = backoff_s
+        self.chat_template_kwargs = chat_template_kwargs or None
         self.fallback = get_distiller(fallback)
         self._client = httpx.Client(
             timeout=timeout_s,
@@ -157,6 +186,11 @@ class LLMDistiller:
         """The distiller described by the ``memory.llm_*`` settings."""
         if not mcfg.llm_base_url:
             raise ValueError("memory.llm_base_url is required for the llm distiller")
+        if mcfg.llm_base_url == POLICY:
+            raise ValueError(
+                "memory.llm_base_url='policy' is bound to the run's endpoint when the stream starts "
+                "(hamo_ray.memory.distill_llm.bind_policy); outside a stream give a URL"
+            )
         return cls(
             mcfg.llm_base_url,
             model=mcfg.llm_model,
@@ -168,6 +202,7 @@ class LLMDistiller:
             temperature=mcfg.llm_temperature,
             max_outline_chars=mcfg.llm_max_outline_chars,
             fallback=mcfg.llm_fallback,
+            chat_template_kwargs=mcfg.llm_chat_template_kwargs,
         )
 
     def _request(self, traj: Trajectory) -> str:
@@ -180,6 +215,8 @@ class LLMDistiller:
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
         }
+        if self.chat_template_kwargs:
+            body["chat_template_kwargs"] = self.chat_template_kwargs
         response = self._client.post(self.url, json=body)
         response.raise_for_status()
         choice = response.json()["choices"][0]
@@ -235,3 +272,27 @@ class LLMDistiller:
 
     def close(self) -> None:
         self._client.close()
+
+
+def bind_policy(
+    mcfg: MemoryConfig, base_url: str, model: str, api_key: str | None, template_kwargs: dict[str, Any]
+) -> MemoryConfig:
+    """``mcfg`` with ``llm_base_url='policy'`` bound to the run's policy endpoint; other configs unchanged.
+
+    Args:
+        mcfg: the run's memory settings.
+        base_url: the policy endpoint's root (``http://host:port``, without ``/v1``).
+        model: the served base model's name (``model.name``): cards are written without any adapter.
+        api_key: the endpoint's key, None when it has none.
+        template_kwargs: the model's chat-template variables (``ModelConfig.template_kwargs()``).
+    """
+    if mcfg.distiller != "llm" or mcfg.llm_base_url != POLICY:
+        return mcfg
+    return mcfg.model_copy(
+        update={
+            "llm_base_url": base_url.rstrip("/") + "/v1",
+            "llm_model": model,
+            "llm_api_key": api_key or "EMPTY",
+            "llm_chat_template_kwargs": mcfg.llm_chat_template_kwargs or template_kwargs,
+        }
+    )

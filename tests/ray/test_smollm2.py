@@ -142,3 +142,33 @@ def test_full_history_hits_the_prefix_cache(server, tokenizer):
     rate = hit_rate(before, prefix_cache_counters(server))
     # The system prompt and every earlier turn are cached; only each turn's new tokens are computed.
     assert rate is not None and rate > 0.6, rate
+
+
+def test_llm_distiller_writes_cards_on_smollm2(server):
+    """The strategy-level distiller against the real served model: numbered steps or a counted fallback."""
+    import numpy as np
+
+    from hamo_ray.config import MemoryConfig
+    from hamo_ray.memory import outline_from_trajectory
+    from hamo_ray.memory.distill_llm import bind_policy
+    from hamo_ray.memory.pipeline import distil_batch
+
+    mcfg = bind_policy(
+        MemoryConfig(distiller="llm", llm_base_url="policy", llm_max_tokens=160, llm_max_retries=1),
+        server, MODEL.name, None, KWARGS,
+    )  # fmt: skip
+    other = TRAJ.model_copy(update={"task": TRAJ.task.model_copy(update={"variation": 4})})
+    rows = [t.model_dump_json().encode() for t in (TRAJ, other)]
+    batch = {"row": np.arange(2), "trajectory": np.array(rows, dtype=object)}
+    out = distil_batch(batch, stage=1, distiller="llm", mcfg=mcfg)
+    assert list(out["reject_reason"]) == ["", ""]
+    assert set(out["outline_source"]) <= {"llm", "fallback"}
+    for outline, source in zip(out["outline"], out["outline_source"], strict=True):
+        assert outline.startswith("1. ") and len(outline) <= mcfg.llm_max_outline_chars
+        if source == "fallback":
+            assert outline == outline_from_trajectory(TRAJ)
+    # A token limit too small for any outline: every reply is cut, so every card falls back, counted.
+    tight = mcfg.model_copy(update={"llm_max_tokens": 3, "llm_max_retries": 0})
+    out = distil_batch(batch, stage=1, distiller="llm", mcfg=tight)
+    assert list(out["outline_source"]) == ["fallback", "fallback"]
+    assert out["outline"][0] == outline_from_trajectory(TRAJ)

@@ -41,7 +41,9 @@ def test_presets_validate(preset):
         sweep, base = load_sweep(ROOT / "jobs" / "configs" / preset)
         assert expand_cells(sweep, base)
     else:
-        load_config(ROOT / "jobs" / "configs" / preset)
+        cfg = load_config(ROOT / "jobs" / "configs" / preset)
+        if preset.startswith("paper-"):  # the paper's cards are strategy-level: an LLM writes them
+            assert (cfg.memory.distiller, cfg.memory.llm_base_url) == ("llm", "policy"), preset
 
 
 def _commands(config: dict) -> list[str]:

@@ -18,7 +18,14 @@ import pytest
 
 from hamo_ray.config import MemoryConfig
 from hamo_ray.memory import LLMDistiller, get_distiller, outline_from_trajectory
-from hamo_ray.memory.distill_llm import InvalidOutline, build_prompt, normalise_outline
+from hamo_ray.memory.distill_llm import (
+    MAX_OBS_CHARS,
+    MAX_STEP_OBS_CHARS,
+    InvalidOutline,
+    bind_policy,
+    build_prompt,
+    normalise_outline,
+)
 from hamo_ray.memory.pipeline import distil_batch
 from hamo_ray.types import TaskSpec, Trajectory
 
@@ -31,8 +38,11 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:  # keep the test output clean
         pass
 
+    bodies: list = []
+
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.bodies.append(body)
         prompt = body["messages"][-1]["content"]
         kind = next(k for k in ("good", "empty", "runaway", "cut", "flaky", "broken") if f"to {k}" in prompt)
         self.calls[kind] += 1
@@ -89,7 +99,39 @@ def test_normalise_and_validate():
         with pytest.raises(InvalidOutline):
             normalise_outline(text, 200, **kwargs)
     prompt = build_prompt(_traj("good"))
-    assert "Your task is to good" in prompt and "3. pick up thermometer" in prompt
+    assert "Your task is to good" in prompt and "3. > pick up thermometer" in prompt
+    # A reasoning model's think block is not part of the outline.
+    assert normalise_outline("<think>first the door</think>\n1. a\n2. b", 200) == "1. a; 2. b"
+
+
+def test_prompt_shows_observations_clipped_and_asks_for_purpose():
+    """Strategy-level cards: the distiller sees what each action produced, and is asked for purpose and rules."""
+    actions = [f"go to room {i}" for i in range(50)]
+    observations = [f"You see the room {i}. " + "x" * 400 for i in range(50)]
+    traj = Trajectory(
+        task=TaskSpec(domain="scienceworld", task="find", variation=0), goal="Find an animal.",
+        init_obs="Hallway. " + "y" * 2000, actions=actions, observations=observations, score=100.0,
+        source="expert",
+    )  # fmt: skip
+    prompt = build_prompt(traj)
+    assert "1. > go to room 0\n   You see the room 0." in prompt  # the observation under its action
+    assert "x" * (MAX_STEP_OBS_CHARS - 30) in prompt and "x" * (MAX_STEP_OBS_CHARS + 1) not in prompt
+    assert "y" * (MAX_OBS_CHARS + 1) not in prompt
+    assert "go to room 19\n" in prompt and "go to room 20\n" not in prompt and "go to room 49" in prompt
+    assert "10 steps left out" in prompt
+    assert "purpose" in prompt and "how it was chosen" in prompt  # strategy, not the variation's names
+
+
+def test_policy_endpoint_is_bound_at_start():
+    mcfg = MemoryConfig(distiller="llm", llm_base_url="policy")
+    with pytest.raises(ValueError, match="policy"):
+        LLMDistiller.from_config(mcfg)
+    bound = bind_policy(mcfg, "http://127.0.0.1:8000/", "smollm2", None, {"enable_thinking": False})
+    assert bound.llm_base_url == "http://127.0.0.1:8000/v1" and bound.llm_model == "smollm2"
+    assert bound.llm_api_key == "EMPTY" and bound.llm_chat_template_kwargs == {"enable_thinking": False}
+    other = MemoryConfig(distiller="llm", llm_base_url="http://teacher:9000/v1")
+    assert bind_policy(other, "http://127.0.0.1:8000", "smollm2", "k", {}) is other
+    assert bind_policy(MemoryConfig(), "http://x", "m", None, {}).distiller == "outline"
 
 
 def test_llm_outlines_retries_and_fallback(endpoint):
@@ -114,6 +156,10 @@ def test_llm_distiller_from_config(endpoint):
     distiller = get_distiller("llm", mcfg)
     assert isinstance(distiller, LLMDistiller) and distiller.max_retries == 0
     assert distiller.distill([_traj("good")]) == [normalise_outline(GOOD, 1200)]
+    assert "chat_template_kwargs" not in _Handler.bodies[-1]
+    mcfg = mcfg.model_copy(update={"llm_chat_template_kwargs": {"enable_thinking": False}})
+    get_distiller("llm", mcfg).distill([_traj("good")])
+    assert _Handler.bodies[-1]["chat_template_kwargs"] == {"enable_thinking": False}
     assert get_distiller("outline", mcfg).distill([_traj("good")]) == [outline_from_trajectory(_traj("good"))]
 
 
