@@ -23,11 +23,17 @@ Context rule (keeps long episodes inside the context window), the same in traini
   rollout.max_tokens``), the oldest half of the kept history turns is dropped, again until it fits
   (``fit_messages``). The first kept turn only moves forward within an episode, so every prompt of an
   episode extends the previous one until the next trim: the endpoint's prefix cache keeps hitting, and a
-  trajectory trains as one sequence per kept-history segment (``hamo_ray.training.examples``).
+  trajectory trains as one sequence per kept-history segment (``hamo_ray.training.examples``). The
+  last turn (the observation the next action answers) is always kept;
+- when even the first prompt (no history) would exceed the budget, the lowest-ranked cards are dropped
+  until it fits, once per episode (``fit_cards``), so every turn carries the same cards;
+- a prompt that still does not fit is refused by the endpoint: the episode is recorded as failed and
+  evaluation counts it apart from the scores, never as a 0.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +42,8 @@ from hamo_ray.config import PromptConfig
 from hamo_ray.envs.prompts import format_reply, system_text
 from hamo_ray.types import Card, Trajectory
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "INSTRUCTION",
     "build_messages",
@@ -43,6 +51,7 @@ __all__ = [
     "encode_chat",
     "encode_example",
     "first_user_message",
+    "fit_cards",
     "fit_messages",
     "history_starts",
     "ChatRenderer",
@@ -171,8 +180,11 @@ def fit_messages(
             but ``pcfg.history_turns``.
 
     Returns:
-        ``(start, messages)``: the first history turn kept and the messages. When even no history fits,
-        the messages carry none (the endpoint then refuses the prompt as too long).
+        ``(start, messages)``: the first history turn kept and the messages. The last turn (the
+        observation the next action answers) is always kept; when even that does not fit, the
+        messages are returned anyway (the endpoint then refuses the prompt as too long, and the
+        episode is counted as failed, apart from the scores). Cards are fitted once per episode,
+        before the first turn (:func:`fit_cards`).
     """
     n = len(actions)
     start = max(start, window_start(n, pcfg))
@@ -180,9 +192,37 @@ def fit_messages(
         messages = build_messages(
             goal, init_obs, cards, actions, observations, pcfg, domain=domain, thoughts=thoughts, start=start
         )
-        if fits is None or start >= n or fits(messages):
+        if fits is None or start >= n - 1 or fits(messages):
             return start, messages
-        start += (n - start + 1) // 2  # drop the oldest half of the kept turns
+        start = min(n - 1, start + (n - start + 1) // 2)  # drop the oldest half of the kept turns
+
+
+def fit_cards(
+    goal: str,
+    init_obs: str,
+    cards: list[Card],
+    pcfg: PromptConfig,
+    *,
+    domain: str | None = None,
+    fits: Callable[[list[dict[str, str]]], bool] | None = None,
+) -> list[Card]:
+    """The cards an episode carries: the retrieved ones, lowest-ranked dropped until the first prompt fits.
+
+    The second half of the context rule (history is trimmed first, turn by turn, by
+    :func:`fit_messages`): decided once per episode, so every turn carries the same cards, in
+    rollouts and in the training examples alike. Each card is already clipped to
+    ``prompt.card_max_chars``.
+    """
+    kept = list(cards)
+    while (
+        kept
+        and fits is not None
+        and not fits(build_messages(goal, init_obs, kept, [], [], pcfg, domain=domain))
+    ):
+        kept.pop()
+    if len(kept) < len(cards):
+        logger.debug("context: %d of %d cards kept for %r", len(kept), len(cards), goal[:60])
+    return kept
 
 
 def history_starts(

@@ -22,7 +22,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 from hamo_ray.config import EnvConfig, PromptConfig
-from hamo_ray.prompting import ChatRenderer, fit_messages, parse_reply
+from hamo_ray.prompting import ChatRenderer, fit_cards, fit_messages, parse_reply
 from hamo_ray.rollout.client import PolicyClient, PolicySpec
 from hamo_ray.types import TaskSpec, Trajectory
 
@@ -136,9 +136,11 @@ class EnvWorker:
         else:
             # Retrieved once per episode: every turn carries the same cards, as every training
             # example of a trajectory does (and cards_used records them).
-            cards = await client.retrieve(goal, init_obs)
-            turns = self.env_cfg.max_turns
             fits, start = self._fits(client.spec), 0
+            cards = fit_cards(
+                goal, init_obs, await client.retrieve(goal, init_obs), pcfg, domain=task.domain, fits=fits
+            )
+            turns = self.env_cfg.max_turns
             extra = {"source": "policy", "model": client.spec.model, "cards_used": [c.id for c in cards]}
         for turn in range(turns):
             if client is None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hamo_ray.config import PromptConfig
-from hamo_ray.prompting import ChatRenderer, encode_example, history_starts, step_example
+from hamo_ray.prompting import ChatRenderer, encode_example, fit_cards, history_starts, step_example
 from hamo_ray.types import Card, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,8 @@ def trajectory_examples(
     example per action, with a warning.
     """
     renderer = ChatRenderer(tokenizer, chat_template_kwargs, budget)
+    if budget is not None:  # the cards the rollout would have kept (the context rule's second half)
+        cards = fit_cards(traj.goal, traj.init_obs, cards, pcfg, domain=traj.task.domain, fits=renderer.fits)
     starts = history_starts(traj, cards, pcfg, renderer.fits if budget is not None else None)
     steps = []
     for k, start in enumerate(starts):

@@ -171,6 +171,39 @@ def test_trimmed_history_fits_the_budget_and_trains_what_inference_sent(tokenize
     assert len(window) == len(traj.actions) - 2
 
 
+def test_cards_are_dropped_when_even_the_first_prompt_does_not_fit(tokenizer):
+    """The context rule's second half: lowest-ranked cards go first, once per episode; the last turn stays."""
+    from hamo_ray.prompting import ChatRenderer, fit_cards, fit_messages
+
+    traj, pcfg = _long_traj(), PromptConfig()
+    long_card = _card().model_copy(update={"id": "c2", "outline": "1. walk around the whole house " * 40})
+    cards = [_card(), long_card]
+
+    def length(cs):
+        return len(
+            ChatRenderer(tokenizer, None).encode(build_messages(traj.goal, traj.init_obs, cs, [], [], pcfg))
+        )
+
+    renderer = ChatRenderer(tokenizer, None, budget=length([_card()]) + 5)  # one card fits, two do not
+    assert fit_cards(traj.goal, traj.init_obs, cards, pcfg, fits=renderer.fits) == [_card()]
+    assert fit_cards(traj.goal, traj.init_obs, cards, pcfg, fits=None) == cards  # no budget: all kept
+    tight = ChatRenderer(tokenizer, None, budget=length([]) - 1)  # not even the bare prompt fits
+    assert fit_cards(traj.goal, traj.init_obs, cards, pcfg, fits=tight.fits) == []
+    # History first: over the budget, the last turn is kept (the observation the action answers).
+    start, messages = fit_messages(
+        traj.goal, traj.init_obs, [], traj.actions[:5], traj.observations[:5], pcfg, start=0, fits=tight.fits
+    )
+    assert start == 4 and messages[-1]["content"] == traj.observations[4]
+    # Training sees the cards the rollout kept: the same rule inside the example builder.
+    (ex,) = trajectory_examples(traj, cards, tokenizer, pcfg, 8192, budget=10**6)
+    tight_exs = trajectory_examples(traj, cards, tokenizer, pcfg, 8192, budget=length([_card()]) + 40)
+    assert "walk around the whole house" in tokenizer.decode(ex.input_ids)
+    assert tight_exs and all(
+        "walk around the whole house" not in tokenizer.decode(e.input_ids) for e in tight_exs
+    )
+    assert all("focus on cat" in tokenizer.decode(e.input_ids) for e in tight_exs)
+
+
 def _summed_logprob_and_grads(model, examples):
     import torch
 
