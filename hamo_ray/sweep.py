@@ -5,6 +5,7 @@ A sweep file (YAML) names a base config and the grid::
     base: jobs/configs/tiny.yaml          # relative to the sweep file
     overrides: [protocol.num_stages=2]    # applied to every cell
     root: runs/sweep-tiny                 # cells under <root>/cells/<cell>, results under <root>/results
+    results: results/sweep-tiny           # optional: a tracked folder for the small results (below)
     parallel: 1                           # cells run at once (Ray tasks); 1 on a laptop
     cell_resources: {CPU: 0}              # resources each cell's controller task holds
     grid:
@@ -19,13 +20,39 @@ Cells that finished earlier are skipped (their run folder holds every stage); a 
 resumes each unfinished cell after its last committed stage. Cells sharing a backbone share one
 policy endpoint (adapter names carry the cell's run id). At the end, every cell's
 ``results/metrics.json`` is aggregated into ``<root>/results/summary.json``, a table and plots.
+
+``results`` (optional; relative to the current directory, like ``root``) keeps a sweep's results when
+its run folders are lost with the machine (``runs/`` is not tracked): as soon as a cell finishes, its
+small results are exported (``export_cell``) to::
+
+    <results>/cells/<cell>/
+        config.yaml  state.json  report.md (if any)
+        results/scores.csv  results/metrics.json
+        episodes/stage-t-<domain>.jsonl.gz     the evaluation episodes, gzip-compressed
+        episodes.csv                           one row per episode: stage, domain, task, variation,
+                                               score, turns, done, error, cards_used, policy_tokens
+
+(never adapters, memory, train/, tensorboard/ or trajectories/). An export is written into a temporary
+``.<cell>.tmp`` folder and renamed into place last: a killed export does not look finished. A cell
+whose export exists (its ``config.yaml`` and ``results/metrics.json``) is finished even without its run
+folder (a fresh machine), unless the export's config differs from the cell's in a key that changes
+results (anything but the sections ``run``, ``ray``, ``serve``, ``rollout``): such a stale export is
+named in a warning and the cell runs again. Cells finished in their run folder but not (or differently)
+exported are exported when the sweep starts. The aggregate reads a cell's metrics from its run folder,
+else from its export, and is also written to ``<results>/`` (summary.json, table.md, report.md, plots).
 """
 
 from __future__ import annotations
 
+import csv
+import gzip
+import io
 import itertools
 import json
 import logging
+import os
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +60,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hamo_ray.config import ConfigError, HamoConfig, load_config
+from hamo_ray.run_folder import _RESUMABLE_KEYS, atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +81,7 @@ class SweepConfig(BaseModel):
     base: str
     overrides: list[str] = Field(default_factory=list)
     root: str = "runs/sweep"
+    results: str | None = None  # a tracked folder the cells' small results are exported to (see above)
     parallel: int = Field(default=1, ge=1)
     cell_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 0})
     grid: GridConfig = GridConfig()
@@ -89,7 +118,25 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> tuple[SweepConfig
         base = Path(sweep.base)
     if not base.is_file():
         raise ConfigError(f"sweep file {str(p)!r}: base config {sweep.base!r} does not exist")
+    if sweep.results is not None:
+        _check_results(sweep, p)
     return sweep, base
+
+
+def _check_results(sweep: SweepConfig, path: Path) -> None:
+    results = Path(sweep.results).expanduser()
+    for folder in (results, *results.parents):  # the folder itself or one above it must not be a file
+        if folder.exists():
+            if not folder.is_dir():
+                raise ConfigError(
+                    f"sweep file {str(path)!r}: results: {str(folder)!r} exists and is not a folder"
+                )
+            break
+    if results.resolve() == Path(sweep.root).expanduser().resolve():
+        raise ConfigError(
+            f"sweep file {str(path)!r}: results: {sweep.results!r} is the sweep's root "
+            "(its cells/ would be the run folders); give another folder"
+        )
 
 
 def _tag(text: str) -> str:
@@ -135,28 +182,273 @@ def setting_of(cfg: HamoConfig, vary: list[str] | tuple[str, ...] = ()) -> str:
     return label
 
 
-def aggregate(
-    cells: list[tuple[str, HamoConfig]], out_dir: Path, vary: list[str] | tuple[str, ...] = ()
-) -> dict[str, Any]:
-    """Mean and 95% interval over seeds per (setting, method): summary.json, table.md and plots."""
-    from hamo_ray.evaluation import plots
-    from hamo_ray.evaluation.metrics import mean_interval
+# -- the tracked results folder (``results``) ---------------------------------------------------------
 
-    groups: dict[str, dict[str, list[dict]]] = {}
+# What an export copies from a run folder (if there), besides the episodes; never the large outputs.
+_EXPORTED_FILES = ("config.yaml", "state.json", "results/scores.csv", "results/metrics.json", "report.md")
+EPISODE_COLUMNS = (
+    "stage",
+    "domain",
+    "task",
+    "variation",
+    "score",
+    "turns",
+    "done",
+    "error",
+    "cards_used",
+    "policy_tokens",
+)
+
+
+def results_dir(sweep: SweepConfig) -> Path | None:
+    """The sweep's tracked results folder, or None when ``results`` is not set."""
+    return None if sweep.results is None else Path(sweep.results).expanduser()
+
+
+def export_dir(results: str | Path, name: str) -> Path:
+    """Where cell ``name`` is exported to: ``<results>/cells/<name>`` (whether or not it exists yet)."""
+    return Path(results) / "cells" / name
+
+
+def exported_cell(results: str | Path | None, name: str) -> Path | None:
+    """Cell ``name``'s finished export (its ``config.yaml`` and ``results/metrics.json`` there), else None.
+
+    A half-written export lies in a temporary folder beside it and is not found here.
+    """
+    if results is None:
+        return None
+    dest = export_dir(results, name)
+    if (dest / "config.yaml").is_file() and (dest / "results" / "metrics.json").is_file():
+        return dest
+    return None
+
+
+def _episode_order(path: Path) -> tuple[int, str]:
+    m = re.match(r"stage-(\d+)-", path.name)
+    return (int(m.group(1)) if m else -1, path.name)
+
+
+def export_cell(run_folder: str | Path, dest: str | Path) -> Path:
+    """Copy a finished run folder's small results to ``dest``, replacing an earlier export there.
+
+    Copies ``config.yaml``, ``state.json``, ``results/scores.csv``, ``results/metrics.json`` and
+    ``report.md`` (those that exist), the evaluation episodes ``episodes/*.jsonl`` gzip-compressed as
+    ``episodes/*.jsonl.gz``, and writes ``episodes.csv`` (one row per episode, ``EPISODE_COLUMNS``).
+    Everything is written into ``.<name>.tmp`` beside ``dest`` and renamed into place last, so a killed
+    export leaves no ``dest`` that looks finished.
+
+    Returns:
+        ``dest``.
+
+    Raises:
+        FileNotFoundError: the run folder has no ``config.yaml`` or ``results/metrics.json``.
+    """
+    src, dest = Path(run_folder), Path(dest)
+    for rel in ("config.yaml", "results/metrics.json"):
+        if not (src / rel).is_file():
+            raise FileNotFoundError(f"run folder {src} has no {rel}: nothing to export")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp, old = dest.with_name(f".{dest.name}.tmp"), dest.with_name(f".{dest.name}.old")
+    for leftover in (tmp, old):  # of an export killed before
+        if leftover.exists():
+            shutil.rmtree(leftover)
+    tmp.mkdir()
+    for rel in _EXPORTED_FILES:
+        if (src / rel).is_file():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / rel, tmp / rel)
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(EPISODE_COLUMNS)
+    for f in sorted((src / "episodes").glob("*.jsonl"), key=_episode_order):
+        data = f.read_bytes()
+        (tmp / "episodes").mkdir(exist_ok=True)
+        # mtime=0: the same episodes give the same bytes (no spurious change in the tracked folder)
+        (tmp / "episodes" / f"{f.name}.gz").write_bytes(gzip.compress(data, mtime=0))
+        stage = _episode_order(f)[0]
+        for line in data.decode().splitlines():
+            if not line.strip():
+                continue
+            t = json.loads(line)
+            task = t.get("task", {})
+            writer.writerow(
+                [
+                    "" if stage < 0 else stage,
+                    task.get("domain", ""),
+                    task.get("task", ""),
+                    task.get("variation", ""),
+                    t.get("score", 0.0),
+                    len(t.get("actions", [])),
+                    t.get("done", False),
+                    t.get("error") or "",
+                    len(t.get("cards_used", [])),
+                    t.get("policy_tokens", 0),
+                ]
+            )
+    (tmp / "episodes.csv").write_text(buf.getvalue())
+    if dest.exists():  # replace: the old export moves aside, the new one in, then the old one goes
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
+    return dest
+
+
+def save_export(results: str | Path, name: str, run_folder: str | Path) -> Path | None:
+    """``export_cell`` of cell ``name`` into ``results``; a failure is logged (the run folder is intact)."""
+    try:
+        dest = export_cell(run_folder, export_dir(results, name))
+    except Exception as exc:  # noqa: BLE001 - the cell finished; its export is retried at the next start
+        logger.error("sweep: exporting cell %s to %s failed: %s", name, export_dir(results, name), exc)
+        return None
+    logger.info("sweep: cell %s exported to %s", name, dest)
+    return dest
+
+
+def stale_keys(exported: str | Path, cfg: HamoConfig) -> list[str]:
+    """The dotted keys in which an export's config differs from ``cfg``, ignoring those a resume may
+    change (the sections ``run``, ``ray``, ``serve``, ``rollout``, as in ``RunFolder``).
+
+    Args:
+        exported: an export folder (or its ``config.yaml``).
+
+    A key the saved config lacks holds its code default (it was added after the export was made).
+    """
+    f = Path(exported)
+    f = f / "config.yaml" if f.is_dir() else f
+    try:
+        saved = yaml.safe_load(f.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        return [f"config.yaml ({type(exc).__name__})"]
+    if not isinstance(saved, dict):
+        return ["config.yaml (not a mapping)"]
+    defaults = HamoConfig().model_dump(mode="json")
+    diffs = []
+    for section, values in cfg.model_dump(mode="json").items():
+        if section in _RESUMABLE_KEYS or not isinstance(values, dict):
+            continue
+        got = saved.get(section)
+        got = got if isinstance(got, dict) else {}
+        for key, value in values.items():
+            if f"{section}.{key}" == "run.root":
+                continue
+            if got.get(key, defaults.get(section, {}).get(key)) != value:
+                diffs.append(f"{section}.{key}")
+    return diffs
+
+
+def cells_to_run(sweep: SweepConfig, cells: list[tuple[str, HamoConfig]], streams: dict) -> list[str]:
+    """The cells a sweep still has to run, in grid order.
+
+    A cell is finished when its run folder holds every stage (``streams[name].finished``) or, with
+    ``results`` set, when its export exists and was made with the same config (see ``stale_keys``);
+    a stale export is named in a warning with its first differing keys, and its cell runs again.
+    """
+    results = results_dir(sweep)
+    todo = []
     for name, cfg in cells:
-        f = Path(cfg.run.root) / name / "results" / "metrics.json"
+        if streams[name].finished:
+            continue
+        exported = exported_cell(results, name)
+        if exported is not None:
+            diffs = stale_keys(exported, cfg)
+            if not diffs:
+                continue
+            logger.warning(
+                "sweep: cell %s: its export %s was made with a different config (%s); running it again",
+                name,
+                exported,
+                ", ".join(diffs[:5]) + (", ..." if len(diffs) > 5 else ""),
+            )
+        todo.append(name)
+    return todo
+
+
+def export_finished(sweep: SweepConfig, cells: list[tuple[str, HamoConfig]], streams: dict) -> list[str]:
+    """Export the cells finished in their run folder whose export is missing or is not of that run
+    folder (its ``state.json`` differs), e.g. cells that finished before ``results`` was set.
+
+    Returns:
+        The names of the cells exported.
+    """
+    results = results_dir(sweep)
+    if results is None:
+        return []
+    done = []
+    for name, cfg in cells:
+        if not streams[name].finished:
+            continue
+        folder = Path(cfg.run.root) / name
+        exported = exported_cell(results, name)
+        if exported is not None and _same_file(exported / "state.json", folder / "state.json"):
+            continue
+        if save_export(results, name, folder) is not None:
+            done.append(name)
+    return done
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    return a.is_file() and b.is_file() and a.read_bytes() == b.read_bytes()
+
+
+def _cell_metrics(name: str, cfg: HamoConfig, results: Path | None) -> dict | None:
+    """A cell's finished ``metrics.json``: its run folder's, else its (not stale) export's; else None."""
+    files = [Path(cfg.run.root) / name / "results" / "metrics.json"]
+    exported = exported_cell(results, name)
+    if exported is not None:
+        diffs = stale_keys(exported, cfg)
+        if diffs:
+            logger.warning(
+                "sweep: cell %s: its export was made with a different config (%s); not aggregated",
+                name,
+                ", ".join(diffs[:5]),
+            )
+        else:
+            files.append(exported / "results" / "metrics.json")
+    partial = None
+    for f in files:
         if not f.exists():
-            logger.warning("sweep: cell %s has no metrics yet; left out of the aggregate", name)
             continue
         metrics = json.loads(f.read_text())
         done = min((len(v) for v in metrics.get("stage_scores", {}).values()), default=0)
-        if done < cfg.protocol.stages:  # a failed or interrupted cell: its partial scores would bias
-            logger.warning(
-                "sweep: cell %s has %d of %d stages; left out of the aggregate",
-                name,
-                done,
-                cfg.protocol.stages,
-            )
+        if done >= cfg.protocol.stages:
+            return metrics
+        partial = done if partial is None else partial
+    if partial is None:
+        logger.warning("sweep: cell %s has no metrics yet; left out of the aggregate", name)
+    else:  # a failed or interrupted cell: its partial scores would bias
+        logger.warning(
+            "sweep: cell %s has %d of %d stages; left out of the aggregate",
+            name,
+            partial,
+            cfg.protocol.stages,
+        )
+    return None
+
+
+def aggregate(
+    cells: list[tuple[str, HamoConfig]],
+    out_dir: Path,
+    vary: list[str] | tuple[str, ...] = (),
+    results: str | Path | None = None,
+) -> dict[str, Any]:
+    """Mean and 95% interval over seeds per (setting, method): summary.json, table.md and plots.
+
+    Args:
+        cells: the sweep's cells (``expand_cells``).
+        out_dir: ``<root>/results``: summary.json, table.md and plots; report.md goes beside it.
+        vary: the grid's varied keys (part of each setting).
+        results: the sweep's tracked results folder, or None: a cell's metrics come from its run
+            folder, else from its export there, and summary.json, table.md, report.md and the plots
+            are written there too.
+    """
+    from hamo_ray.evaluation import plots
+    from hamo_ray.evaluation.metrics import mean_interval
+
+    results = None if results is None else Path(results)
+    groups: dict[str, dict[str, list[dict]]] = {}
+    for name, cfg in cells:
+        metrics = _cell_metrics(name, cfg, results)
+        if metrics is None:
             continue
         metrics["seed"] = cfg.run.seed  # pairs each method's run with the base run of the same seed
         groups.setdefault(setting_of(cfg, vary), {}).setdefault(cfg.method.name, []).append(metrics)
@@ -236,11 +528,24 @@ def aggregate(
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     table = "\n".join(lines) + "\n\n" + _LEGEND
     (out_dir / "table.md").write_text(table)
+    (out_dir.parent / "report.md").write_text(_report(table, figures, "results/"))
+    if results is not None:  # the tracked copy: the plots lie beside its report.md
+        results.mkdir(parents=True, exist_ok=True)
+        atomic_write(results / "summary.json", json.dumps(summary, indent=1))
+        atomic_write(results / "table.md", table)
+        for _, pngs in figures:
+            for png in pngs:
+                shutil.copyfile(png, results / png.name)
+        atomic_write(results / "report.md", _report(table, figures, ""))
+    return summary
+
+
+def _report(table: str, figures: list[tuple[str, list[Path]]], prefix: str) -> str:
+    """The sweep's report.md: the table, then each setting's plots (linked as ``<prefix><png>``)."""
     report = ["# Sweep report", "", table]
     for setting, pngs in figures:
-        report += [f"## {setting}", ""] + [f"![{p.stem}](results/{p.name})" for p in pngs] + [""]
-    (out_dir.parent / "report.md").write_text("\n".join(report))
-    return summary
+        report += [f"## {setting}", ""] + [f"![{p.stem}]({prefix}{p.name})" for p in pngs] + [""]
+    return "\n".join(report)
 
 
 _LEGEND = (

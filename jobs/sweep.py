@@ -9,10 +9,18 @@ Against a cluster::
     ray job submit --working-dir . -- python jobs/sweep.py --config jobs/configs/sweep-tiny.yaml \
         root=/mnt/shared/hamo/sweep-tiny
 
-(a relative ``root`` is refused there: it would lie in Ray's temporary copy of the working dir).
+(a relative ``root`` or ``results`` is refused there: it would lie in Ray's temporary copy of the
+working dir).
 
 Finished cells are skipped; resubmitting a killed sweep resumes it. Results: ``<root>/results/``
 (summary.json, table.md, plots) and ``<root>/report.md``. See hamo_ray/sweep.py for the file format.
+
+With ``results`` set (e.g. ``results=results/learning-smollm2-within``, a tracked folder), each cell's
+small results (config, state, scores, metrics, report, gzipped evaluation episodes, episodes.csv) are
+exported to ``<results>/cells/<cell>/`` as soon as it finishes, and the aggregate is written there too;
+cells finished in their run folder but not exported yet are exported when the sweep starts. A cell
+whose export exists is not run again, even on a fresh machine without its run folder, unless the
+export was made with a different config (a warning names the keys; the cell runs again).
 
 A cell that fails (its backbone, its endpoint or its stream raises) leaves its traceback in its run
 folder (``<root>/cells/<cell>/error.txt``) and the other cells go on; the sweep then exits 1, naming
@@ -59,11 +67,20 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     from hamo_ray.cluster import check_cluster_paths
     from hamo_ray.stream import Stream
-    from hamo_ray.sweep import aggregate, expand_cells, load_sweep
+    from hamo_ray.sweep import (
+        aggregate,
+        cells_to_run,
+        expand_cells,
+        export_finished,
+        load_sweep,
+        results_dir,
+    )
 
     try:
         sweep, base = load_sweep(args.config, args.overrides)
         check_cluster_paths(sweep.root, "root")  # every cell's run folder lives under it
+        if sweep.results is not None:  # the driver writes the exports: not into a temporary copy
+            check_cluster_paths(sweep.results, "results")
         cells = expand_cells(sweep, base)
         for name, cfg in cells:  # a shared endpoint loads adapters from the sweep root, not a store
             if cfg.serve.adapter_store:
@@ -78,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, cfg in cells:
             print(f"--- # {name}\n{cfg.to_yaml()}", end="")
         return 0
-    todo = [name for name, _ in cells if not streams[name].finished]
+    exported = export_finished(sweep, cells, streams)  # e.g. finished before `results` was set
+    if exported:
+        logger.info("sweep: %d finished cells exported to %s", len(exported), results_dir(sweep))
+    todo = cells_to_run(sweep, cells, streams)  # not finished in their run folder nor exported
     if todo:
         from hamo_ray.cluster import check_serve_port, start_ray
 
@@ -93,9 +113,11 @@ def main(argv: list[str] | None = None) -> int:
             logger.warning("sweep: Ray did not start (%s); the cells will try again", exc)
     logger.info("sweep: %d cells, %d to run, %d finished", len(cells), len(todo), len(cells) - len(todo))
     failed = run_cells(sweep, cells, streams, todo) if todo else []
-    summary = aggregate(cells, Path(sweep.root) / "results", list(sweep.grid.vary))
+    summary = aggregate(cells, Path(sweep.root) / "results", list(sweep.grid.vary), results_dir(sweep))
     print((Path(sweep.root) / "results" / "table.md").read_text())
     print(f"report: {Path(sweep.root) / 'report.md'}")
+    if sweep.results is not None:
+        print(f"results: {results_dir(sweep)} (report.md, summary.json, cells/)")
     for name in failed:
         print(
             f"error: cell {name} failed; traceback in {streams[name].folder.path / 'error.txt'}",
@@ -108,11 +130,13 @@ def run_cells(sweep, cells, streams, todo) -> list[str]:
     """Run the cells; returns the names of those that failed (each with ``error.txt`` in its run folder).
 
     A cell fails alone: when its backbone cannot be built, its endpoint cannot start or its stream
-    raises, its traceback goes to ``<cell>/error.txt`` and the other cells go on.
+    raises, its traceback goes to ``<cell>/error.txt`` and the other cells go on. With ``results``
+    set, a cell that finishes is exported there at once (a failed export is logged, not a failed cell).
     """
     import ray
 
     from hamo_ray.runtime import start_shared_policy, stop_shared_policy
+    from hamo_ray.sweep import results_dir, save_export
 
     cfgs = dict(cells)
     servers: dict[str, str] = {}  # backbone path -> endpoint
@@ -151,6 +175,8 @@ def run_cells(sweep, cells, streams, todo) -> list[str]:
                     ray.get(ref)
                     (streams[name].folder.path / "error.txt").unlink(missing_ok=True)  # an earlier try's
                     logger.info("sweep: cell %s finished", name)
+                    if sweep.results is not None:  # at once: a later kill loses nothing of it
+                        save_export(results_dir(sweep), name, streams[name].folder.path)
                 except Exception as exc:  # a failed cell is reported; the others go on
                     _record_failure(name, streams[name].folder.path, exc, failed)
     finally:
