@@ -5,7 +5,7 @@ The numbers are those of the eight steps in docs/architecture.md. Step 1 (collec
 rollout pools::
 
     pools = EnvPools(cfg)
-    store = distil(cfg, folder, stage, trajectories)          # 2. cards into the memory
+    store, figures = distil(cfg, folder, stage, trajectories) # 2. cards into the memory
     anchors, budget = select(cfg, trajectories, store)        # 3. coverage selection
     replayed = replay(cfg, folder, stage, done, len(anchors)) # 4. earlier stages' anchors
     scores = evaluate(pools, folder, stage, test_tasks, spec) # 7. every domain's test set
@@ -114,13 +114,36 @@ def resolve_backbone(cfg: HamoConfig, folder: RunFolder, pools: EnvPools) -> str
     return folder.backbone
 
 
-def distil(cfg: HamoConfig, folder: RunFolder, stage: int, trajs: list[Trajectory]):
-    """Stage step 2: the run's memory with the stage's cards added; None when the method has none."""
+def distil(cfg: HamoConfig, folder: RunFolder, stage: int, trajs: list[Trajectory], endpoint=None):
+    """Stage step 2: the run's memory with the stage's cards added, and what distilling did.
+
+    ``memory.llm_base_url: policy`` is bound to ``endpoint`` (the run's policy endpoint, base model).
+
+    Returns:
+        ``(store, figures)``: the store (None when the method has no memory) and ``cards_added``,
+        ``rejected``, ``llm_outlines``, ``fallback_outlines`` (outlines the LLM distiller failed to
+        write, written by the deterministic one instead); empty without memory.
+    """
     if not cfg.method.uses_memory:
-        return None
+        return None, {}
+    mcfg = cfg.memory
+    if endpoint is not None:
+        from hamo_ray.memory.distill_llm import bind_policy
+
+        mcfg = bind_policy(
+            mcfg, endpoint.base_url, cfg.model.name, endpoint.api_key, cfg.model.template_kwargs()
+        )
+    elif mcfg.distiller == "llm" and mcfg.llm_base_url == "policy":
+        raise ValueError("memory.llm_base_url='policy' needs the run's policy endpoint")
     store = folder.store(cfg)
-    add_stage_cards(store, trajs, stage, cfg.memory)
-    return store
+    report = add_stage_cards(store, trajs, stage, mcfg)
+    figures = {
+        "cards_added": report.added,
+        "rejected": len(report.rejected),
+        "llm_outlines": report.sources.get("llm", 0),
+        "fallback_outlines": report.fallbacks,
+    }
+    return store, figures
 
 
 def select(cfg: HamoConfig, trajs: list[Trajectory], store, stage: int = 0) -> tuple[list[Trajectory], int]:

@@ -190,7 +190,7 @@ class Stream:
         with clock("collect"):  # 1. expert trajectories of the stage's tasks
             trajs = self._collect(stage, domain)
         with clock("distil"):  # 2. cards into the memory
-            store = distil(cfg, self.folder, stage, trajs)
+            store, distilled = distil(cfg, self.folder, stage, trajs, self.endpoint)
         with clock("select"):  # 3. anchors by retrieval coverage
             anchors, budget = select(cfg, trajs, store, stage)
         with clock("replay"):  # 4. earlier stages' anchors
@@ -219,7 +219,7 @@ class Stream:
             num_cards=store.count() if store is not None else 0, budget=budget,
             anchors=[t.id for t in anchors], replay=[t.id for t in replayed], adapter=adapter,
             adapter_name=name, train_loss=loss, scores=scores, seconds=clock.seconds, evaluation=stats,
-            release=release, released=released,
+            release=release, released=released, distil=distilled,
         )  # fmt: skip
 
     def _collect(self, stage: int, domain: str) -> list[Trajectory]:

@@ -171,6 +171,7 @@ def stage_scalars(result) -> dict[str, float]:
     values: dict[str, float] = {f"score/{d}": v for d, v in result.scores.items()}
     values.update({f"seconds/{phase}": v for phase, v in result.seconds.items()})
     values.update({f"release/{k}": v for k, v in result.release.items()})
+    values.update({f"distil/{k}": v for k, v in result.distil.items()})
     values["stage/budget"] = result.budget
     values["stage/trajectories"] = result.num_trajectories
     values["memory/cards"] = result.num_cards

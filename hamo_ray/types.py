@@ -146,6 +146,9 @@ class StageResult(_Frozen):
     # anchors replayed with the new adapter and no cards), followup_checked, followup_solved (the previous
     # stage's released cards' tasks replayed again with this stage's adapter, and how many still solved).
     release: dict[str, float] = Field(default_factory=dict)
+    # Step 2 (methods with memory): cards_added, rejected, llm_outlines, fallback_outlines (outlines the
+    # LLM distiller failed to write, written by the deterministic one instead).
+    distil: dict[str, float] = Field(default_factory=dict)
     released: list[str] = Field(default_factory=list)  # card ids this stage released (step 6)
 
     @classmethod

@@ -43,7 +43,8 @@ class MemoryConfig(_Cfg):
     index_type: Literal["ivf_sq", "ivf_pq", "ivf_hnsw_sq"] = "ivf_sq"
     index_nprobes: int = 16  # IVF partitions (~4,096 rows each) probed per query
     index_refine_factor: int = 10  # re-rank refine_factor * k candidates by exact distance
-    # docs/method.md step 6 (method.release): cards of anchors trained at least this well are marked released.
+    # docs/method.md step 6 (method.release): an anchor's card is released when the new adapter, replaying
+    # its task without any card, scores at least this much.
     release_min_score: float = 100.0
 
     @model_validator(mode="after")

@@ -144,8 +144,10 @@ def test_llm_pipeline_rejects_bad_rows_falls_back_and_skips_stored(ray_session, 
     server.shutdown()
     again = write_cards_report(build_cards_dataset(trajectories, 1, mcfg, store=store), store)
     assert again.added == again.seen == 0 and store.count() == 20
-    # method.release decides whether this runs; the threshold comes from memory.release_min_score.
+    # method.release decides whether this runs; the replays (here the experts themselves) decide
+    # which cards go, against memory.release_min_score.
+    replays = trajectories[:3]
     strict = mcfg.model_copy(update={"release_min_score": 101.0})
-    assert release_internalised(store, trajectories[:3], strict) == 0
-    assert release_internalised(store, trajectories[:3], mcfg) == 3
+    assert release_internalised(store, trajectories[:3], replays, strict) == []
+    assert len(release_internalised(store, trajectories[:3], replays, mcfg)) == 3
     assert store.count(include_released=False) == 17

@@ -188,3 +188,35 @@ def test_bad_rows_are_rejected_with_a_reason():
     assert reasons["surrogate"].startswith("not UTF-8")
     assert reasons["json"].startswith("not JSON")
     assert list(out["row"]) == list(range(len(rows)))
+
+
+def test_stage_distil_binds_the_policy_endpoint_and_counts_fallbacks(monkeypatch):
+    """steps.distil: 'policy' becomes the run's endpoint (base model); the report's fallbacks are counted."""
+    from types import SimpleNamespace
+
+    from hamo_ray import steps
+    from hamo_ray.config import load_config
+    from hamo_ray.memory.pipeline import WriteReport
+
+    seen = {}
+
+    def fake_add(store, trajs, stage, mcfg):
+        seen["mcfg"] = mcfg
+        return WriteReport(added=3, seen=3, sources={"llm": 2, "fallback": 1})
+
+    monkeypatch.setattr(steps, "add_stage_cards", fake_add)
+    cfg = load_config("jobs/configs/tiny.yaml", ["memory.distiller=llm", "memory.llm_base_url=policy"])
+    folder = SimpleNamespace(store=lambda cfg: "store")
+    endpoint = SimpleNamespace(base_url="http://127.0.0.1:8123", api_key="k")
+    store, figures = steps.distil(cfg, folder, 1, [], endpoint)
+    assert store == "store" and figures == {
+        "cards_added": 3, "rejected": 0, "llm_outlines": 2, "fallback_outlines": 1
+    }  # fmt: skip
+    assert (
+        seen["mcfg"].llm_base_url == "http://127.0.0.1:8123/v1" and seen["mcfg"].llm_model == cfg.model.name
+    )
+    assert seen["mcfg"].llm_api_key == "k"
+    with pytest.raises(ValueError, match="policy"):
+        steps.distil(cfg, folder, 1, [], None)
+    base = load_config("jobs/configs/tiny.yaml", ["method.name=base"])
+    assert steps.distil(base, folder, 1, [], endpoint) == (None, {})
