@@ -18,6 +18,11 @@ the embedded one, cached or built, or any ``model.path``; the Serve endpoint, th
 (``agenttuning``: every expert trajectory, no cards) on the first ``M`` train variations of each task
 type, and probes on the ``--per-task`` variations after them: the probe tasks are never trained on.
 Stage 0 is the base score, stage 1 the score after BC; the wall time of each phase is printed.
+``--method harness`` makes that stage the harness's instead (the ``M`` variations' cards, retrieved
+for the probe tasks, no training): how a distiller's cards serve the backbone, off the test split::
+
+    python benchmarks/backbone_probe.py --config jobs/configs/learning-smollm2-within.yaml \
+        --per-task 4 --after-bc 4 --method harness memory.distiller=outline_general
 """
 
 from __future__ import annotations
@@ -41,8 +46,15 @@ def _backbone_tag(cfg) -> str:
     return Path(cfg.model.path).name.removesuffix(".gguf") or "model"
 
 
-def probe_config(config: str | None, overrides: list[str], per_task: int, root: str, after_bc: int = 0):
-    """The probe's config: the stream's, as ``base`` (stage 0 only) or ``agenttuning`` (one BC stage).
+def probe_config(
+    config: str | None,
+    overrides: list[str],
+    per_task: int,
+    root: str,
+    after_bc: int = 0,
+    method: str = "agenttuning",
+):
+    """The probe's config: the stream's, as ``base`` (stage 0 only) or one stage of ``method``.
 
     Raises:
         ConfigError: a bad config, or ``after_bc`` on a cross-domain config.
@@ -50,7 +62,7 @@ def probe_config(config: str | None, overrides: list[str], per_task: int, root: 
     from hamo_ray.config import ConfigError, load_config
 
     if after_bc:
-        forced = ["method.name=agenttuning", "protocol.num_stages=1", f"protocol.train_per_task={after_bc}"]
+        forced = [f"method.name={method}", "protocol.num_stages=1", f"protocol.train_per_task={after_bc}"]
     else:
         forced = ["method.name=base", f"protocol.train_per_task={per_task}"]
     forced += ["protocol.eval_initial=true", f"run.root={root}", "run.resume=true"]
@@ -58,6 +70,10 @@ def probe_config(config: str | None, overrides: list[str], per_task: int, root: 
     if after_bc and cfg.protocol.kind != "within_domain":
         raise ConfigError("--after-bc: protocol.kind must be within_domain (one domain, one BC stage)")
     run_id = f"{_backbone_tag(cfg)}-train{per_task}" + (f"-bc{after_bc}" if after_bc else "")
+    if after_bc and method != "agenttuning":  # e.g. harness: the stage's cards, no training
+        run_id = f"{_backbone_tag(cfg)}-train{per_task}-{method}{after_bc}"
+        if cfg.method.uses_memory:
+            run_id += f"-{cfg.memory.distiller}"
     return cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": run_id})})
 
 
@@ -67,7 +83,7 @@ def make_probe(cfg, per_task: int | None = None):
     from hamo_ray.steps import domain_tasks
     from hamo_ray.stream import Stream
 
-    bc = cfg.method.train
+    bc = cfg.protocol.num_stages == 1 and cfg.method.name != "base"  # one stage, then the probe again
 
     class Probe(Stream):
         expected_stages = [0, 1] if bc else [0]
@@ -96,6 +112,11 @@ def main() -> None:
     parser.add_argument(
         "--after-bc", type=int, default=0, metavar="M", help="also one BC stage on M per type"
     )
+    parser.add_argument(
+        "--method",
+        default="agenttuning",
+        help="the stage's method with --after-bc (e.g. harness: its cards, no training)",
+    )
     parser.add_argument("--root", default="runs/probes", help="where the probe's run folders go")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. backbone.num_layers=4")
     add_json_argument(parser, __file__)
@@ -106,7 +127,9 @@ def main() -> None:
 
     setup_logging()
     try:
-        cfg = probe_config(args.config, args.overrides, args.per_task, args.root, args.after_bc)
+        cfg = probe_config(
+            args.config, args.overrides, args.per_task, args.root, args.after_bc, args.method
+        )
         probe = make_probe(cfg, args.per_task)
         results = Results(__file__, args)
         stages = probe.run()

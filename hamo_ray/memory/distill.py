@@ -198,6 +198,78 @@ class OutlineDistiller:
         return [outline_from_trajectory(t, self.max_steps) for t in trajectories]
 
 
+# Words of actions that say what to do, not which thing: kept by the general digest.
+_FUNCTION_WORDS = set(
+    "a an the to on in into from at of with and or up down out off it its inventory via navigate focus pick "
+    "move put take open close activate deactivate use pour mix wait wait1 look go teleport connect "
+    "disconnect eat drink read heat cool clean slice toggle examine search click buy now next prev back "
+    "repeat times x2 x3 x4 x5".split()
+)
+_WORD = re.compile(r"[a-z0-9']+")
+_TARGET = re.compile(
+    r"\b(?:find|focus on|identify)\s+(?:the|a\(n\)|an|a)\s+(?P<what>[a-z][a-z0-9' -]*?)\s*(?:[.,;:]|\band\b|\bthen\b|$)"
+)
+DEFAULT_TARGET = "the thing the task asks for"
+
+
+def goal_target(goal: str) -> str:
+    """The thing a goal asks for, as the goal words it ("the animal with the longest life span")."""
+    match = _TARGET.search(goal.lower())
+    return f"the {match['what'].strip()}" if match else DEFAULT_TARGET
+
+
+def _generalise(step: str, known: set[str], target: str) -> str:
+    """Each run of words neither in the goal, nor in the initial observation, nor a function word becomes ``target``."""
+    out: list[str] = []
+    run = False
+    for token in step.split(" "):
+        words = _WORD.findall(token.lower())
+        specific = bool(words) and all(
+            w not in known and w not in _FUNCTION_WORDS and not w.isdigit() for w in words
+        )
+        if specific:
+            if not run:
+                out.append(target + ("," if token.endswith(",") else ""))
+            run = True
+        else:
+            out.append(token)
+            run = False
+    return " ".join(out)
+
+
+def general_outline_from_trajectory(traj: Trajectory, max_steps: int = MAX_STEPS) -> str:
+    """The digest, less bound to the variation: names the task did not give become the rule that found them.
+
+    The steps of :func:`outline_from_trajectory`, where every run of words that neither the goal nor
+    the initial observation contains (the animal this variation happened to hold, a product id) is
+    replaced by the thing the goal asks for (``goal_target``): ``focus on egg giant tortoise`` becomes
+    ``focus on the animal with the longest life span``. Names the task gives (the red box, an ALFWorld
+    receptacle the initial observation lists) and navigation steps (a domain's rooms are the same in
+    every variation) are kept. Deterministic, offline.
+    """
+    known = set(_WORD.findall(f"{traj.goal} {traj.init_obs}".lower()))
+    target = goal_target(traj.goal)
+    actions = [a for a in (_clean(a) for a in traj.actions) if not _is_non_progress(a)]
+    steps = [  # places are the same in every variation of a domain: navigation is kept as it is
+        s if s.startswith("navigate to ") else _generalise(s, known, target)
+        for s in _group_navigation(actions)
+    ]
+    steps = _collapse_repeats(steps)
+    cut = [s if len(s) <= MAX_STEP_CHARS else s[: MAX_STEP_CHARS - 3] + "..." for s in steps[:max_steps]]
+    parts = [f"{i}. {s}" for i, s in enumerate(cut, start=1)]
+    if len(steps) > max_steps:
+        parts.append("...")
+    return "; ".join(parts)
+
+
+@register_distiller("outline_general")
+class GeneralOutlineDistiller(OutlineDistiller):
+    """The deterministic digest with variation-specific names generalised (:func:`general_outline_from_trajectory`)."""
+
+    def distill(self, trajectories: Sequence[Trajectory]) -> list[str]:
+        return [general_outline_from_trajectory(t, self.max_steps) for t in trajectories]
+
+
 def card_from_trajectory(traj: Trajectory, stage: int, outline: str) -> Card:
     """Build the experience card of a trajectory.
 

@@ -86,6 +86,46 @@ def test_outline_is_capped_with_a_final_marker():
     assert outline_from_trajectory(_traj(["look around", "inventory"])) == ""
 
 
+def test_general_digest_names_what_the_goal_asks_for_not_the_variation():
+    from hamo_ray.memory.distill import general_outline_from_trajectory, get_distiller, goal_target
+
+    def traj(goal, init_obs, actions):
+        return Trajectory(
+            task=TaskSpec(domain="scienceworld", task="t", variation=0), goal=goal, init_obs=init_obs,
+            actions=actions, observations=["ok"] * len(actions), score=100.0, source="expert",
+        )  # fmt: skip
+
+    living = traj(
+        "Your task is to find a(n) living thing. First, focus on the thing. Then, move it to the red box in the bathroom.",
+        "This room is called the greenhouse. In it, you see: a bee hive, a flower pot 1.",
+        ["open door to outside", "go to outside", "focus on blue jay", "pick up blue jay", "go to kitchen",
+         "go to bathroom", "move egg blue jay egg in inventory to red box"],
+    )  # fmt: skip
+    assert general_outline_from_trajectory(living) == (
+        "1. navigate to outside; 2. focus on the living thing; 3. pick up the living thing; "
+        "4. navigate to bathroom (via kitchen); 5. move the living thing in inventory to red box"
+    )
+    lifespan = traj(
+        "Your task is to find the animal with the longest life span. The animals are in the 'outside' location.",
+        "This room is called the kitchen.",
+        ["go to outside", "focus on egg giant tortoise"],
+    )  # fmt: skip
+    assert goal_target(lifespan.goal) == "the animal with the longest life span"
+    assert get_distiller("outline_general").distill([lifespan]) == [
+        "1. navigate to outside; 2. focus on the animal with the longest life span"
+    ]
+    # Names the task gives (goal, initial observation) are kept: an ALFWorld receptacle, the goal's object.
+    alf = traj(
+        "Your task is to: put a creditcard in drawer.",
+        "You are in the middle of a room. You see a sidetable 1, a drawer 1.",
+        ["take creditcard 1 from sidetable 1", "move creditcard 1 to drawer 1"],
+    )  # fmt: skip
+    assert general_outline_from_trajectory(alf) == (
+        "1. take creditcard 1 from sidetable 1; 2. move creditcard 1 to drawer 1"
+    )
+    assert goal_target("Buy a shirt") == "the thing the task asks for"
+
+
 def test_distiller_registry_and_card():
     traj = _traj(THERMOMETER)
     distiller = get_distiller("outline")
