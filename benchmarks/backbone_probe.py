@@ -127,9 +127,7 @@ def main() -> None:
 
     setup_logging()
     try:
-        cfg = probe_config(
-            args.config, args.overrides, args.per_task, args.root, args.after_bc, args.method
-        )
+        cfg = probe_config(args.config, args.overrides, args.per_task, args.root, args.after_bc, args.method)
         probe = make_probe(cfg, args.per_task)
         results = Results(__file__, args)
         stages = probe.run()
