@@ -1,0 +1,230 @@
+"""The learning experiments' report (docs/results.md): tables over seeds and paired differences.
+
+Reads a sweep's tracked results folder (``results:`` in a sweep file; one ``cells/<cell>/`` per finished
+cell with its ``config.yaml`` and ``results/metrics.json``) and writes, per experiment, one markdown
+section between ``<!-- BEGIN <name> -->`` and ``<!-- END <name> -->`` markers of a document, plus a plot
+of the per-stage curves::
+
+    python -m hamo_ray.evaluation.report results/smollm2-within --name smollm2-within --doc docs/results.md
+
+The section holds: the table method x (cells, stage average, final total, first-domain retention,
+forgetting, BWT), each as the mean and its 95% t interval over seeds; the paired differences of
+:data:`PAIRS` per seed and as intervals (methods of one seed share the evaluation draws, so a paired
+difference removes most of the sampling noise the seeds share); every method's per-stage scores; and
+the finished cells' wall time. Nothing here runs an experiment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hamo_ray.evaluation.metrics import mean_interval
+
+PAIRS = [("hamo", "model_only"), ("hamo", "harness"), ("hamo", "base"), ("harness", "base")]
+METHOD_ORDER = ["base", "harness", "model_only", "agenttuning", "eto", "hamo"]
+
+
+def load_cells(results_dir: Path) -> list[dict[str, Any]]:
+    """Every finished cell of a results folder: method, seed, metrics, wall seconds, from its files.
+
+    Raises:
+        FileNotFoundError: the folder has no ``cells/`` (names the path).
+    """
+    cells_dir = Path(results_dir) / "cells"
+    if not cells_dir.is_dir():
+        raise FileNotFoundError(f"{cells_dir}: no exported cells (is `results:` set in the sweep file?)")
+    cells = []
+    for cell in sorted(p for p in cells_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        metrics_file, config_file = cell / "results" / "metrics.json", cell / "config.yaml"
+        if not (metrics_file.is_file() and config_file.is_file()):
+            continue
+        config = yaml.safe_load(config_file.read_text())
+        state_file = cell / "state.json"
+        seconds = 0.0
+        if state_file.is_file():
+            stages = json.loads(state_file.read_text()).get("stages", [])
+            seconds = sum(sum(s.get("seconds", {}).values()) for s in stages)
+        cells.append(
+            {
+                "name": cell.name,
+                "method": config["method"]["name"],
+                "seed": int(config["run"]["seed"]),
+                "metrics": json.loads(metrics_file.read_text()),
+                "seconds": seconds,
+            }
+        )
+    return cells
+
+
+def stage_average(metrics: dict) -> float:
+    """The mean over stages (1..T) of the mean over the evaluated domains."""
+    scores = metrics["stage_scores"]
+    rows = [[scores[d][t] for d in scores if scores[d][t] is not None] for t in range(metrics["num_stages"])]
+    return sum(sum(r) / len(r) for r in rows) / len(rows)
+
+
+def _fmt(r: dict) -> str:
+    if r["mean"] is None:
+        return "-"
+    if r["ci_high"] is None:
+        return f"{r['mean']:.1f}"
+    return f"{r['mean']:.1f} ± {r['ci_high'] - r['mean']:.1f}"
+
+
+def _methods(cells: list[dict]) -> list[str]:
+    present = {c["method"] for c in cells}
+    return [m for m in METHOD_ORDER if m in present] + sorted(present - set(METHOD_ORDER))
+
+
+def method_table(cells: list[dict]) -> str:
+    """Method x (seeds, stage average, final total, first-domain retention, forgetting, BWT)."""
+    lines = [
+        "| method | seeds | stage average | final total | first-domain retention | forgetting | BWT |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for method in _methods(cells):
+        runs = [c["metrics"] for c in cells if c["method"] == method]
+        first = runs[0]["first_domain"]
+        values = [
+            mean_interval([stage_average(r) for r in runs]),
+            mean_interval([r["final_total"] for r in runs]),
+            mean_interval([r["retention"][-1] for r in runs]),
+            mean_interval([r["forgetting"].get(first, 0.0) for r in runs]),
+            mean_interval([r["backward_transfer"] for r in runs]),
+        ]
+        seeds = ", ".join(str(c["seed"]) for c in cells if c["method"] == method)
+        lines.append(f"| `{method}` | {seeds} | " + " | ".join(_fmt(v) for v in values) + " |")
+    return "\n".join(lines)
+
+
+def paired_table(cells: list[dict], pairs: list[tuple[str, str]] = PAIRS) -> str:
+    """Stage-average differences ``a - b`` per seed (both cells finished) and their interval."""
+    by = {(c["method"], c["seed"]): stage_average(c["metrics"]) for c in cells}
+    seeds = sorted({c["seed"] for c in cells})
+    lines = [
+        "| difference (stage average) | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± 95% |",
+        "|---|" + "---:|" * (len(seeds) + 1),
+    ]
+    for a, b in pairs:
+        diffs = {s: by[(a, s)] - by[(b, s)] for s in seeds if (a, s) in by and (b, s) in by}
+        if not diffs:
+            continue
+        row = [f"{diffs[s]:+.1f}" if s in diffs else "-" for s in seeds]
+        lines.append(
+            f"| `{a} - {b}` | " + " | ".join(row) + f" | {_fmt(mean_interval(list(diffs.values())))} |"
+        )
+    return "\n".join(lines)
+
+
+def stage_table(cells: list[dict]) -> str:
+    """Each method's score per domain and stage (stage 0: before any training), mean over seeds."""
+    domains = sorted({d for c in cells for d in c["metrics"]["stage_scores"]})
+    stages = max(c["metrics"]["num_stages"] for c in cells)
+    lines = [
+        "| method | domain | " + " | ".join(f"stage {t}" for t in range(stages + 1)) + " |",
+        "|---|---|" + "---:|" * (stages + 1),
+    ]
+    for method in _methods(cells):
+        runs = [c["metrics"] for c in cells if c["method"] == method]
+        for d in domains:
+            points = [mean_interval([(r.get("initial") or {}).get(d) for r in runs])]
+            points += [mean_interval([r["stage_scores"][d][t] for r in runs]) for t in range(stages)]
+            lines.append(f"| `{method}` | {d} | " + " | ".join(_fmt(p) for p in points) + " |")
+    return "\n".join(lines)
+
+
+def curves_plot(cells: list[dict], out: Path) -> Path:
+    """Mean score over seeds per stage, one line per method (and domain), to ``out`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    domains = sorted({d for c in cells for d in c["metrics"]["stage_scores"]})
+    for method in _methods(cells):
+        runs = [c["metrics"] for c in cells if c["method"] == method]
+        for d in domains:
+            curve = defaultdict(list)
+            for r in runs:
+                if r.get("initial") and d in r["initial"]:
+                    curve[0].append(r["initial"][d])
+                for t, v in enumerate(r["stage_scores"][d], start=1):
+                    curve[t].append(v)
+            xs = sorted(curve)
+            label = method if len(domains) == 1 else f"{method} ({d})"
+            ax.plot(xs, [sum(curve[x]) / len(curve[x]) for x in xs], marker="o", label=label)
+    ax.set_xlabel("stage (0: before training)")
+    ax.set_ylabel("test score (mean over seeds)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def section(cells: list[dict], name: str, plot: Path | None, doc_dir: Path | None = None) -> str:
+    """The markdown section of one experiment (the tables, the plot link, the cells' wall time)."""
+    hours = sum(c["seconds"] for c in cells) / 3600
+    parts = [
+        f"Finished cells: {len(cells)} ({', '.join(c['name'] for c in cells)}); their stages took "
+        f"{hours:.1f} h of wall time in all (phases summed).",
+        "",
+        method_table(cells),
+        "",
+        paired_table(cells),
+        "",
+        stage_table(cells),
+    ]
+    if plot is not None:
+        rel = plot.relative_to(doc_dir) if doc_dir is not None else plot
+        parts += ["", f"![{name}: per-stage scores]({rel.as_posix()})"]
+    return "\n".join(parts)
+
+
+def update_doc(doc: Path, name: str, text: str) -> None:
+    """Replace the text between ``<!-- BEGIN name -->`` and ``<!-- END name -->`` in ``doc``.
+
+    Raises:
+        ValueError: the document lacks the two markers (names them).
+    """
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    body = doc.read_text()
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
+    if not pattern.search(body):
+        raise ValueError(f"{doc}: no '{begin}' ... '{end}' markers to write the {name} section between")
+    doc.write_text(pattern.sub(lambda _: f"{begin}\n{text}\n{end}", body))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", help="a sweep's tracked results folder (holds cells/)")
+    parser.add_argument("--name", required=True, help="the section's marker name in --doc")
+    parser.add_argument("--doc", help="the document to update (else the section is printed)")
+    args = parser.parse_args(argv)
+    cells = load_cells(Path(args.results))
+    if not cells:
+        print(f"error: {args.results}: no finished cell yet")
+        return 1
+    doc = Path(args.doc) if args.doc else None
+    plot = curves_plot(cells, (doc.parent if doc else Path(args.results)) / "results" / f"{args.name}.png")
+    text = section(cells, args.name, plot, doc.parent if doc else None)
+    if doc is None:
+        print(text)
+    else:
+        update_doc(doc, args.name, text)
+        print(f"{doc}: section {args.name} updated from {len(cells)} cells")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

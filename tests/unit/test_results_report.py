@@ -1,0 +1,64 @@
+"""The learning experiments' report: tables over seeds and paired differences from exported cells."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from hamo_ray.evaluation.metrics import summarize
+from hamo_ray.evaluation.report import load_cells, main, paired_table, stage_average, update_doc
+
+
+def _cell(root, method, seed, curve, initial=10.0):
+    cell = root / "cells" / f"{method}-s{seed}"
+    (cell / "results").mkdir(parents=True)
+    (cell / "config.yaml").write_text(yaml.safe_dump({"method": {"name": method}, "run": {"seed": seed}}))
+    metrics = summarize([{"scienceworld": v} for v in curve], initial={"scienceworld": initial})
+    (cell / "results" / "metrics.json").write_text(json.dumps(metrics))
+    (cell / "state.json").write_text(json.dumps({"stages": [{"seconds": {"evaluate": 1800.0}}]}))
+
+
+def test_tables_and_paired_differences(tmp_path):
+    _cell(tmp_path, "base", 0, [10, 12])
+    _cell(tmp_path, "base", 1, [20, 20])
+    _cell(tmp_path, "hamo", 0, [30, 40])
+    _cell(tmp_path, "hamo", 1, [30, 30])
+    _cell(tmp_path, "harness", 0, [11, 11])
+    (tmp_path / "cells" / ".hamo-s2.tmp").mkdir()  # a half-written export is not a cell
+    cells = load_cells(tmp_path)
+    assert [(c["method"], c["seed"]) for c in cells] == [
+        ("base", 0),
+        ("base", 1),
+        ("hamo", 0),
+        ("hamo", 1),
+        ("harness", 0),
+    ]
+    assert stage_average(cells[2]["metrics"]) == 35.0
+    table = paired_table(cells)
+    # hamo - base: seed 0: 35 - 11 = +24, seed 1: 30 - 20 = +10; mean 17 with a t interval over 2 seeds.
+    row = next(line for line in table.splitlines() if "`hamo - base`" in line)
+    assert "+24.0" in row and "+10.0" in row and "17.0 ±" in row
+    # hamo - harness has one seed only: no interval.
+    row = next(line for line in table.splitlines() if "`hamo - harness`" in line)
+    assert row.endswith("| +24.0 | - | 24.0 |")
+    assert "`hamo - model_only`" not in table  # no model_only cell: no row
+
+
+def test_the_document_section_is_replaced_between_markers(tmp_path):
+    _cell(tmp_path, "base", 0, [10, 12])
+    doc = tmp_path / "docs" / "results.md"
+    doc.parent.mkdir()
+    doc.write_text("# Results\nintro\n<!-- BEGIN exp -->\nold\n<!-- END exp -->\ntail\n")
+    assert main([str(tmp_path), "--name", "exp", "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith("# Results\nintro\n<!-- BEGIN exp -->\nFinished cells: 1") and text.endswith(
+        "<!-- END exp -->\ntail\n"
+    )
+    assert "old" not in text and "| `base` | 0 | 11.0 |" in text
+    assert (doc.parent / "results" / "exp.png").is_file() and "](results/exp.png)" in text
+    with pytest.raises(ValueError, match="BEGIN other"):
+        update_doc(doc, "other", "x")
+    with pytest.raises(FileNotFoundError, match="cells"):
+        load_cells(tmp_path / "nowhere")
