@@ -1,7 +1,10 @@
-"""A real 2-stage tiny stream: Ray, Serve + vLLM, LanceDB, ScienceWorld, Ray Train, end to end.
+"""A real 2-stage tiny stream: Ray, Serve + vLLM, LanceDB, ScienceWorld, training, end to end.
 
 The endpoint is guarded by ``serve.api_key``: publishing, evaluation episodes and harness
 retrieval all have to carry the key (``hamo_ray.runtime``), or the stream fails or scores 401s.
+The method is ``hamo_release`` (hamo plus step 6: release decided by replaying each anchor without
+cards), and the cards are written by the LLM distiller on the run's own endpoint
+(``memory.llm_base_url=policy``): the toy model writes poor outlines, so some fall back, counted.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import pytest
 
 from hamo_ray.config import ConfigError, load_config
 from hamo_ray.stream import Stream
+from hamo_ray.types import card_id
 
 KEY = "stream-test-key"
 OVERRIDES = [
@@ -44,6 +48,11 @@ def finished_run(ray_session, tmp_path_factory):
             # adapters reach the replica through an object-store URI (file://: same code as s3://)
             f"serve.adapter_store=file://{root / 'store'}",
             f"serve.api_key={KEY}",
+            "method.name=hamo_release",
+            "memory.distiller=llm",
+            "memory.llm_base_url=policy",
+            "memory.llm_max_tokens=48",
+            "memory.llm_max_retries=0",
         ],
     )
     results = Stream(cfg).run()
@@ -95,6 +104,24 @@ def test_cards_in_lancedb(finished_run):
     store = MemoryStore(str(run / "memory"), "cards")
     assert store.count() == sum(r.num_trajectories for r in results)
     assert {c.stage for c in store.cards()} == {1, 2}
+    # The LLM distiller on the run's own endpoint wrote (or fell back for) every card, counted.
+    for r in results:
+        d = r.distil
+        assert d["cards_added"] == r.num_trajectories == d["llm_outlines"] + d["fallback_outlines"]
+    # Released cards stay stored; search skips them.
+    released = [i for r in results for i in r.released]
+    assert store.count(include_released=False) == store.count() - len(released)
+
+
+def test_release_is_decided_by_replaying_the_anchors(finished_run):
+    _, _, results = finished_run
+    for r in results:
+        rel = r.release
+        assert rel["replayed"] == len(r.anchors) and rel["released"] == len(r.released)
+        assert 0.0 <= rel["replay_mean_score"] <= 100.0 and rel["replay_failed"] == 0
+        assert set(r.released) <= {card_id(a) for a in r.anchors}
+    assert results[0].release["followup_checked"] == 0
+    assert results[1].release["followup_checked"] == len(results[0].released)
 
 
 def test_adapters_load_in_peft(finished_run):
