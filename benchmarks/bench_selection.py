@@ -24,8 +24,8 @@ import time
 import numpy as np
 from common import Results, add_json_argument
 
+from hamo_ray.neighbours import _exact_rows
 from hamo_ray.selection import (
-    _exact_rows,
     coverage_select,
     knee_point,
     lazy_greedy_coverage,

@@ -105,7 +105,7 @@ def test_clustered_cards_pick_one_per_cluster_first():
 
 def test_blocked_neighbours_equal_exact_rows_with_ties(monkeypatch):
     """The symmetric torch blocks (used above EXACT_MAX_ROWS) give the exact numpy neighbours."""
-    import hamo_ray.selection as selection
+    import hamo_ray.neighbours as neighbours
 
     rng = np.random.default_rng(3)
     centers = rng.normal(size=(20, 16))
@@ -113,7 +113,7 @@ def test_blocked_neighbours_equal_exact_rows_with_ties(monkeypatch):
     emb[[40, 41, 42]] = emb[7]  # duplicates: ties resolved to the smaller index
     emb[99] = emb[98]
     exact = leave_one_out_neighbours(emb, 3)
-    monkeypatch.setattr(selection, "EXACT_MAX_ROWS", 100)
+    monkeypatch.setattr(neighbours, "EXACT_MAX_ROWS", 100)
     blocked = leave_one_out_neighbours(emb, 3, batch_size=128)
     # Rows may differ only where float rounding reorders near-ties (none here at float32 spacing).
     assert (blocked == exact).all()
