@@ -1,9 +1,10 @@
 """The prompt format shared by training and inference, the reply format, and the context rule.
 
-Messages: an optional system message (the domain's agent prompt, ``prompt.system_prompt``: role,
-action grammar, reply rule and optionally a worked example, from ``hamo_ray.envs.prompts``); then
-the first user turn = task request + initial observation + injected experience (the retrieved
-cards, as text); then alternating assistant reply / user observation turns. Training examples
+Messages: an optional system message (``prompt.system_prompt``; ``system_text``: the domain's role,
+action grammar and tips, texts of ``hamo_ray.envs.prompts``, then the reply rule and optionally the
+domain's worked example, both rendered here in the reply format); then the first user turn = task
+request + initial observation + injected experience (the retrieved cards, as text); then
+alternating assistant reply / user observation turns. Training examples
 (``step_example``) and rollout requests are both built by ``build_messages``, so the model sees at
 inference exactly the format it was trained on; both render them with the tokenizer's chat
 template and the same template variables (``model.enable_thinking``, ``model.chat_template_kwargs``:
@@ -39,7 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hamo_ray.config import PromptConfig
-from hamo_ray.envs.prompts import format_reply, system_text
+from hamo_ray.envs.prompts import DomainPrompt, get_prompt
 from hamo_ray.types import Card, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ __all__ = [
     "ChatRenderer",
     "format_fingerprint",
     "format_reply",
+    "system_text",
     "parse_reply",
     "step_example",
     "strip_reasoning",
@@ -71,6 +73,59 @@ INSTRUCTIONS = {
         "then 'Action: ' and exactly one action."
     ),
 }
+
+# The reply rule of the system prompt, per reply format.
+REPLY_RULES = {
+    "action": "Reply with exactly one command per turn, on one line, and nothing else.",
+    "react": (
+        "Reply each turn in two lines: 'Thought: ' followed by your short reasoning, then "
+        "'Action: ' followed by exactly one command."
+    ),
+}
+
+
+def format_reply(action: str, thought: str, reply_format: str) -> str:
+    """The assistant text of one step in ``reply_format``: the action, or ``Thought: ...\\nAction: ...``.
+
+    A react step without a thought is ``Action: ...`` alone (imported data and simulator experts
+    may have none; a made-up thought would be worse than none).
+    """
+    if reply_format == "action":
+        return action
+    if reply_format != "react":
+        raise ValueError(f"prompt.reply_format must be 'action' or 'react', got {reply_format!r}")
+    thought = " ".join(thought.split())
+    return f"Thought: {thought}\nAction: {action}" if thought else f"Action: {action}"
+
+
+def example_text(prompt: DomainPrompt, reply_format: str) -> str:
+    """The worked example as text, each reply in ``reply_format``."""
+    lines = [f"Task: {prompt.example_goal}", f"Observation: {prompt.example_obs}"]
+    for step in prompt.example:
+        reply = format_reply(step.action, step.thought, reply_format)
+        lines.append(reply if reply_format == "react" else f"Action: {reply}")
+        lines.append(f"Observation: {step.observation}")
+    return "\n".join(lines)
+
+
+def system_text(domain: str, reply_format: str, example: bool) -> str:
+    """The system message of ``domain``: role, grammar, tips, the reply rule, optionally the example.
+
+    Args:
+        domain: a key of ``hamo_ray.envs.prompts.DOMAIN_PROMPTS``.
+        reply_format: ``"action"`` or ``"react"`` (``prompt.reply_format``).
+        example: append the worked example (``prompt.in_context_example``).
+
+    Raises:
+        ValueError: unknown domain or reply format.
+    """
+    prompt = get_prompt(domain)
+    if reply_format not in REPLY_RULES:
+        raise ValueError(f"prompt.reply_format must be 'action' or 'react', got {reply_format!r}")
+    text = f"{prompt.system}\n\n{REPLY_RULES[reply_format]}"
+    if example:
+        text += f"\n\nExample (another task):\n{example_text(prompt, reply_format)}"
+    return text
 
 
 def clip(text: str, max_chars: int) -> str:

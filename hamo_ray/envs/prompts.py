@@ -1,17 +1,18 @@
-"""Agent prompts per domain: what the agent is, the action grammar, and a short worked example.
+"""Agent prompts per domain, the texts only: what the agent is, the action grammar, tips, a worked example.
 
-``hamo_ray.prompting.build_messages`` puts ``system_text(domain, reply_format, example)`` into the
-system message when ``prompt.system_prompt`` is on, for training examples and inference requests
-alike. The grammars are written from each environment's own documentation and sources:
-ScienceWorld's action templates (``scienceworld`` package), ALFWorld's command grammar
-(``alfworld/data/alfred.twl2``: ``go to``, ``take ... from``, ``move ... to``, ...), TextWorld's
-Inform 7 verbs, WebShop's ``search[...]`` / ``click[...]``.
+``hamo_ray.prompting`` turns them into the system message (``system_text``: the domain's text, the
+reply rule of ``prompt.reply_format`` and, optionally, the example rendered in that format) when
+``prompt.system_prompt`` is on, for training examples and inference requests alike. The grammars are
+written from each environment's own documentation and sources: ScienceWorld's action templates
+(``scienceworld`` package), ALFWorld's command grammar (``alfworld/data/alfred.twl2``: ``go to``,
+``take ... from``, ``move ... to``, ...), TextWorld's Inform 7 verbs, WebShop's ``search[...]`` /
+``click[...]``.
 
 The worked examples are hand-written, short and fixed: invented episodes, not variations of any
 split, so no stage or test set sees its own task in the prompt. Each step has a thought, shown
 only when the run's reply format is ``react``::
 
-    text = system_text("alfworld", "react", example=True)
+    prompt = get_prompt("alfworld")   # a DomainPrompt: role, grammar, tips, example
 """
 
 from __future__ import annotations
@@ -214,38 +215,6 @@ DOMAIN_PROMPTS: dict[str, DomainPrompt] = {
     "textworld": TEXTWORLD,
 }
 
-REPLY_RULES = {
-    "action": "Reply with exactly one command per turn, on one line, and nothing else.",
-    "react": (
-        "Reply each turn in two lines: 'Thought: ' followed by your short reasoning, then "
-        "'Action: ' followed by exactly one command."
-    ),
-}
-
-
-def format_reply(action: str, thought: str, reply_format: str) -> str:
-    """The assistant text of one step in ``reply_format``: the action, or ``Thought: ...\\nAction: ...``.
-
-    A react step without a thought is ``Action: ...`` alone (imported data and simulator experts
-    may have none; a made-up thought would be worse than none).
-    """
-    if reply_format == "action":
-        return action
-    if reply_format != "react":
-        raise ValueError(f"prompt.reply_format must be 'action' or 'react', got {reply_format!r}")
-    thought = " ".join(thought.split())
-    return f"Thought: {thought}\nAction: {action}" if thought else f"Action: {action}"
-
-
-def example_text(prompt: DomainPrompt, reply_format: str) -> str:
-    """The worked example as text, each reply in ``reply_format``."""
-    lines = [f"Task: {prompt.example_goal}", f"Observation: {prompt.example_obs}"]
-    for step in prompt.example:
-        reply = format_reply(step.action, step.thought, reply_format)
-        lines.append(reply if reply_format == "react" else f"Action: {reply}")
-        lines.append(f"Observation: {step.observation}")
-    return "\n".join(lines)
-
 
 def get_prompt(domain: str) -> DomainPrompt:
     """The prompt of ``domain``.
@@ -256,23 +225,3 @@ def get_prompt(domain: str) -> DomainPrompt:
     if domain not in DOMAIN_PROMPTS:
         raise ValueError(f"no agent prompt for domain {domain!r}; known: {', '.join(sorted(DOMAIN_PROMPTS))}")
     return DOMAIN_PROMPTS[domain]
-
-
-def system_text(domain: str, reply_format: str, example: bool) -> str:
-    """The system message of ``domain``: role, grammar, tips, the reply rule, optionally the example.
-
-    Args:
-        domain: a key of ``DOMAIN_PROMPTS``.
-        reply_format: ``"action"`` or ``"react"`` (``prompt.reply_format``).
-        example: append the worked example (``prompt.in_context_example``).
-
-    Raises:
-        ValueError: unknown domain or reply format.
-    """
-    prompt = get_prompt(domain)
-    if reply_format not in REPLY_RULES:
-        raise ValueError(f"prompt.reply_format must be 'action' or 'react', got {reply_format!r}")
-    text = f"{prompt.system}\n\n{REPLY_RULES[reply_format]}"
-    if example:
-        text += f"\n\nExample (another task):\n{example_text(prompt, reply_format)}"
-    return text

@@ -358,7 +358,8 @@ def test_parse_reply(reply, fmt, expected):
 
 
 def test_domain_system_prompts():
-    from hamo_ray.envs.prompts import DOMAIN_PROMPTS, system_text
+    from hamo_ray.envs.prompts import DOMAIN_PROMPTS
+    from hamo_ray.prompting import system_text
 
     grammar = {
         "scienceworld": ["focus on OBJ", "move OBJ to OBJ", "wait1"],
