@@ -125,7 +125,7 @@ def main() -> int:
     if args.domain == "textworld":
         from hamo_ray.envs.textworld import default_games_dir, pregenerate
 
-        pregenerate(Path(env_cfg.textworld_games_dir or default_games_dir()), games)
+        pregenerate(Path(env_cfg.textworld.games_dir or default_games_dir()), games)
     ray.init(
         address="local",
         num_cpus=max(8, 2 * (os.cpu_count() or 1)),
@@ -213,7 +213,7 @@ def memory_table(results: Results) -> None:
     code = (
         "import sys\n"
         "from hamo_ray.config import EnvConfig\nfrom hamo_ray.envs import get_domain\n"
-        "d=sys.argv[1]; cfg=EnvConfig(domain=d, task_types=[sys.argv[2]], alfworld_games='generated')\n"
+        "d=sys.argv[1]; cfg=EnvConfig(domain=d, task_types=[sys.argv[2]], alfworld={'games': 'generated'})\n"
         "dom=get_domain(d,cfg); t=dom.tasks('train',sys.argv[2],limit=1)[0]\n"
         "import psutil,os; p=psutil.Process(); before=p.memory_info().rss\n"
         "env=dom.make_env(); env.reset(t); [env.step(a) for a in env.expert_actions()[:3]]\n"

@@ -31,7 +31,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from hamo_ray.cluster import start_ray
-    from hamo_ray.config import load_config
+    from hamo_ray.config import load_saved_config
     from hamo_ray.memory.pipeline import training_experience
     from hamo_ray.run_folder import RunFolder
     from hamo_ray.training.examples import build_examples
@@ -40,7 +40,7 @@ def main() -> None:
     run = Path(args.run)
     if not (run / "config.yaml").exists():
         raise SystemExit(f"--run {run}: no config.yaml there (not a run folder)")
-    cfg = load_config(run / "config.yaml", ["ray.address=local"])
+    cfg = load_saved_config(run / "config.yaml", ["ray.address=local"])
     folder = RunFolder(run, cfg)
     done = {r.stage: r for r in folder.stages()}
     if args.stage not in done:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from hamo_ray.config import ConfigError, HamoConfig
+from hamo_ray.config import ConfigError, HamoConfig, upgrade_saved_config
 from hamo_ray.evaluation.metrics import summarize
 from hamo_ray.types import StageResult, Trajectory
 
@@ -130,7 +130,7 @@ class RunFolder:
         saved_file = self.path / "config.yaml"
         if not saved_file.exists():
             return
-        saved = yaml.safe_load(saved_file.read_text())
+        saved = upgrade_saved_config(yaml.safe_load(saved_file.read_text()))  # an older layout too
         now = self.cfg.model_dump(mode="json")
         # A key the saved config lacks was added to the code after the run started: it holds its default
         # (the run did what the default does), so a resume after an upgrade is not refused for it.

@@ -59,7 +59,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hamo_ray.config import ConfigError, HamoConfig, load_config
+from hamo_ray.config import ConfigError, HamoConfig, env_sections, load_config, upgrade_saved_config
 from hamo_ray.run_folder import _RESUMABLE_KEYS, atomic_write
 
 logger = logging.getLogger(__name__)
@@ -311,7 +311,9 @@ def stale_keys(exported: str | Path, cfg: HamoConfig) -> list[str]:
     Args:
         exported: an export folder (or its ``config.yaml``).
 
-    A key the saved config lacks holds its code default (it was added after the export was made).
+    A key the saved config lacks holds its code default (it was added after the export was made); an
+    export in an older layout is read in today's (``upgrade_saved_config``). A domain's settings are
+    compared key by key (``env.webshop.ids``).
     """
     f = Path(exported)
     f = f / "config.yaml" if f.is_dir() else f
@@ -321,19 +323,28 @@ def stale_keys(exported: str | Path, cfg: HamoConfig) -> list[str]:
         return [f"config.yaml ({type(exc).__name__})"]
     if not isinstance(saved, dict):
         return ["config.yaml (not a mapping)"]
+    saved = upgrade_saved_config(saved)
     defaults = HamoConfig().model_dump(mode="json")
+    domains = set(env_sections())
     diffs = []
     for section, values in cfg.model_dump(mode="json").items():
         if section in _RESUMABLE_KEYS or not isinstance(values, dict):
             continue
-        got = saved.get(section)
-        got = got if isinstance(got, dict) else {}
+        got = _mapping(saved.get(section))
         for key, value in values.items():
             if f"{section}.{key}" == "run.root":
                 continue
-            if got.get(key, defaults.get(section, {}).get(key)) != value:
+            default = defaults.get(section, {}).get(key)
+            if section == "env" and key in domains:  # a domain's settings: one key at a time
+                sub, sub_default = _mapping(got.get(key)), _mapping(default)
+                diffs += [f"env.{key}.{k}" for k, v in value.items() if sub.get(k, sub_default.get(k)) != v]
+            elif got.get(key, default) != value:
                 diffs.append(f"{section}.{key}")
     return diffs
+
+
+def _mapping(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
 
 
 def cells_to_run(sweep: SweepConfig, cells: list[tuple[str, HamoConfig]], streams: dict) -> list[str]:

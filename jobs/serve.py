@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from hamo_ray.config import ConfigError, HamoConfig, load_config  # noqa: E402
+from hamo_ray.config import ConfigError, HamoConfig, load_saved_config  # noqa: E402
 from hamo_ray.logs import setup_logging  # noqa: E402
 
 logger = logging.getLogger("hamo_ray.jobs.serve")
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not (run / "config.yaml").is_file():
             raise ConfigError(f"{run} holds no config.yaml: not a run folder")
-        cfg = load_config(run / "config.yaml", args.overrides)
+        cfg = load_saved_config(run / "config.yaml", args.overrides)
         update = {"api_key": args.api_key or os.environ.get("HAMO_API_KEY") or cfg.serve.api_key}
         update |= {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
         cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update=update)})

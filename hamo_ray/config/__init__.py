@@ -8,9 +8,11 @@ the command line win over both::
 An unknown key, a wrong type or a bad value is a ``ConfigError`` naming the key, raised before any
 work starts.
 
-The sections live in ``base`` (``ConfigError``), ``experiment`` (run, method, model, backbone, env,
-protocol, prompt) and ``components`` (memory, selection, replay, train, serve, rollout, ray); every
-name is importable from ``hamo_ray.config`` itself.
+The sections live in ``base`` (``ConfigError``), ``experiment`` (run, method, model, backbone,
+protocol, prompt), ``env`` (what every domain uses, and each domain's own section ``env.<domain>``,
+registered by the domain) and ``components`` (memory, selection, replay, train, serve, rollout, ray);
+every name is importable from ``hamo_ray.config`` itself. A saved config (a run folder's
+``config.yaml``) is read with ``load_saved_config``, which converts an older layout first.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from hamo_ray.config.base import ConfigError, _Cfg
+from hamo_ray.config.base import ConfigError, ConfigSection, _Cfg, error_lines
 from hamo_ray.config.components import (
     STORE_SCHEMES,
     MemoryConfig,
@@ -32,9 +34,15 @@ from hamo_ray.config.components import (
     ServeConfig,
     TrainConfig,
 )
+from hamo_ray.config.env import (
+    MOVED_ENV_KEYS,
+    EnvConfig,
+    env_sections,
+    register_env_section,
+    upgrade_saved_config,
+)
 from hamo_ray.config.experiment import (
     BackboneConfig,
-    EnvConfig,
     MethodConfig,
     ModelConfig,
     PromptConfig,
@@ -45,7 +53,9 @@ from hamo_ray.config.experiment import (
 __all__ = [
     "BackboneConfig",
     "ConfigError",
+    "ConfigSection",
     "EnvConfig",
+    "MOVED_ENV_KEYS",
     "HamoConfig",
     "MemoryConfig",
     "MethodConfig",
@@ -61,8 +71,12 @@ __all__ = [
     "ServeConfig",
     "TrainConfig",
     "apply_override",
+    "env_sections",
     "load_config",
+    "load_saved_config",
     "read_config_file",
+    "register_env_section",
+    "upgrade_saved_config",
 ]
 
 
@@ -75,7 +89,7 @@ class HamoConfig(_Cfg):
     method: MethodConfig = MethodConfig()
     model: ModelConfig = ModelConfig()
     backbone: BackboneConfig = BackboneConfig()
-    env: EnvConfig = EnvConfig()
+    env: EnvConfig = Field(default_factory=EnvConfig)  # validated on use: the domains register its sections
     protocol: ProtocolConfig = ProtocolConfig()
     prompt: PromptConfig = PromptConfig()
     memory: MemoryConfig = MemoryConfig()
@@ -158,6 +172,14 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def _subkeys(model: type[BaseModel]) -> dict[str, Any]:
+    """The keys under ``model`` and their types: its fields, and for ``env`` the domains' sections."""
+    keys = {name: field.annotation for name, field in model.model_fields.items()}
+    if model is EnvConfig:
+        keys |= env_sections()
+    return keys
+
+
 def apply_override(data: dict[str, Any], dotted: str) -> None:
     """Set ``a.b.c=value`` in a nested dict, checking each key against ``HamoConfig``'s fields."""
     if "=" not in dotted:
@@ -168,9 +190,12 @@ def apply_override(data: dict[str, Any], dotted: str) -> None:
     node = data
     for i, part in enumerate(parts):
         path = ".".join(parts[: i + 1])
-        if model is None or part not in model.model_fields:
+        keys = _subkeys(model) if model is not None else {}
+        if part not in keys:
+            if model is EnvConfig and part in MOVED_ENV_KEYS:
+                raise ConfigError(f"env.{part} is now env.{MOVED_ENV_KEYS[part]} (in override {dotted!r})")
             raise ConfigError(f"unknown config key {path!r} in override {dotted!r}")
-        annotation = model.model_fields[part].annotation
+        annotation = keys[part]
         is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
         if i == len(parts) - 1:
             if is_section:
@@ -186,14 +211,7 @@ def apply_override(data: dict[str, Any], dotted: str) -> None:
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"unknown config key {loc!r}")
-        else:
-            lines.append(f"config key {loc!r}: {e['msg']} (got {e.get('input')!r})")
-    return f"invalid configuration ({source}):\n  " + "\n  ".join(lines)
+    return f"invalid configuration ({source}):\n  " + "\n  ".join(error_lines(err))
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -255,6 +273,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if path is not None:
         data = read_config_file(Path(path))
         source = str(path)
+    return _validate(data, overrides, source)
+
+
+def load_saved_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> HamoConfig:
+    """Load a config a run saved (its folder's ``config.yaml``), in an older layout too, then overrides.
+
+    Like ``load_config``, after ``upgrade_saved_config`` (the old flat ``env`` keys move into their
+    domain's section): a run started before a layout change is still read.
+
+    Raises:
+        ConfigError: as ``load_config``.
+    """
+    data = upgrade_saved_config(read_config_file(Path(path)))
+    return _validate(data, overrides, str(path))
+
+
+def _validate(data: dict[str, Any], overrides: list[str] | tuple[str, ...], source: str) -> HamoConfig:
     for item in overrides:
         apply_override(data, item)
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 
 class ConfigError(ValueError):
@@ -11,3 +11,33 @@ class ConfigError(ValueError):
 
 class _Cfg(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+ConfigSection = _Cfg  # the base of a section a component declares itself (a domain's ``env.<domain>``)
+
+
+class ConfigKeyErrors(ValueError):
+    """Problems found by a validator that checks keys itself, each line naming its dotted key.
+
+    ``load_config`` lists the lines as they are (pydantic would name only the enclosing section).
+    """
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("; ".join(lines))
+        self.lines = lines
+
+
+def error_lines(err: ValidationError, prefix: str = "") -> list[str]:
+    """One line per error of ``err``, each naming its dotted key (``prefix`` before the error's location)."""
+    lines = []
+    for e in err.errors():
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, ConfigKeyErrors):
+            lines += cause.lines
+            continue
+        loc = ".".join(p for p in (prefix, *map(str, e["loc"])) if p) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown config key {loc!r}")
+        else:
+            lines.append(f"config key {loc!r}: {e['msg']} (got {e.get('input')!r})")
+    return lines

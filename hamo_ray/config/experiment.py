@@ -1,4 +1,4 @@
-"""Config sections of what a run is: run, method, model, backbone, environments, protocol, prompt."""
+"""Config sections of what a run is: run, method, model, backbone, protocol, prompt (``env``: ``env.py``)."""
 
 from __future__ import annotations
 
@@ -128,38 +128,6 @@ class BackboneConfig(_Cfg):
     lr: float = 3e-3
     batch_size: int = 16
     experience_fraction: float = 0.5  # share of pre-training examples with injected cards
-
-
-class EnvConfig(_Cfg):
-    domain: str = "scienceworld"
-    # Task types of ``domain`` (a list), or per domain for cross-domain streams ({domain: [types]}).
-    task_types: list[str] | dict[str, list[str]] = Field(
-        default_factory=lambda: ["lifespan-longest-lived", "find-living-thing"]
-    )
-    max_turns: int = 50
-    jvm_heap: str = "512m"  # ScienceWorld: one JVM per environment, heap capped
-    simplifications: str = "easy"  # ScienceWorld simplification preset passed to load()
-    # WebShop: the offline stand-in (generated catalogue), the real text env in-process, or an env server
-    webshop_backend: Literal["standin", "text_env", "http"] = "standin"
-    webshop_url: str | None = None  # env server base URL (AgentGym API), for webshop_backend=http
-    webshop_products: int = 3000  # stand-in catalogue size (text_env: 100, 1000 or 100000 picks its index)
-    webshop_seed: int = 0  # stand-in catalogue and instructions
-    # Stand-in product ids: "asin" (WebShop's B0 + 8 letters/digits) or "short" (B0 + 4 digits, at most
-    # 5,000 products): the same catalogue, ids a tiny model can copy from a results page into a click.
-    webshop_ids: Literal["asin", "short"] = "asin"
-    textworld_games_dir: str | None = None  # generated TextWorld games; default ~/.cache/hamo_ray/textworld
-    # Expert trajectories: the simulator's expert ("simulator": gold paths, walkthroughs, the stand-in's
-    # plan) or files in the AgentGym / ETO conversation format ("file": hamo_ray/envs/expert_data.py).
-    expert_source: Literal["simulator", "file"] = "simulator"
-    expert_files: dict[str, str] = Field(default_factory=dict)  # domain -> JSON file, for expert_source=file
-    # ALFWorld games: "official" (the downloaded games; missing data stops the run before any work) or
-    # "generated" (hamo_ray/envs/alfworld/generate.py; not comparable with published ALFWorld numbers).
-    alfworld_games: Literal["official", "generated"] = "official"
-    # ALFWorld: official games (ALFWORLD_DATA layout, json_2.1.1/...); default $ALFWORLD_DATA, else ~/.cache/alfworld
-    alfworld_data: str | None = None
-    alfworld_games_dir: str | None = None  # generated ALFWorld games; default ~/.cache/hamo_ray/alfworld
-    alfworld_seed: int = 0  # generator seed of the generated ALFWorld games
-    alfworld_games_per_task: int = 200  # generated ALFWorld games per task type and split
 
 
 class ProtocolConfig(_Cfg):

@@ -10,7 +10,9 @@ environments; an *environment* runs one episode at a time::
     step = env.step("look around")      # StepResult(observation, reward, done, score 0-100)
     env.expert_actions()                # gold actions for the loaded task
 
-Register a new domain with ``@register_domain("name")`` on a ``Domain`` subclass.
+Register a new domain with ``@register_domain("name", config=NameConfig)`` on a ``Domain`` subclass;
+``NameConfig`` (a ``ConfigSection``, every field with a default) holds the domain's own settings,
+``env.name.*`` in a config file or override, ``cfg.env.name`` (or ``domain.settings``) in code.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from hamo_ray.config import ConfigError, EnvConfig
+from hamo_ray.config import ConfigError, ConfigSection, EnvConfig, register_env_section
 from hamo_ray.types import TaskSpec
 
 SPLITS = ("train", "dev", "test")  # every domain's splits, in this order
@@ -62,6 +64,11 @@ class Domain(ABC):
     def __init__(self, cfg: EnvConfig) -> None:
         self.cfg = cfg
 
+    @property
+    def settings(self) -> ConfigSection:
+        """This domain's own settings, ``env.<name>`` (the model given to ``register_domain``)."""
+        return self.cfg.section(self.name)
+
     @abstractmethod
     def task_types(self) -> list[str]:
         """The domain's task type names."""
@@ -96,10 +103,16 @@ class Domain(ABC):
 _DOMAINS: dict[str, type[Domain]] = {}
 
 
-def register_domain(name: str) -> Callable[[type[Domain]], type[Domain]]:
+def register_domain(
+    name: str, config: type[ConfigSection] | None = None
+) -> Callable[[type[Domain]], type[Domain]]:
+    """Register a ``Domain`` subclass as ``name``, with ``config`` as its settings section ``env.<name>``."""
+
     def deco(cls: type[Domain]) -> type[Domain]:
         cls.name = name
         _DOMAINS[name] = cls
+        if config is not None:
+            register_env_section(name, config)
         return cls
 
     return deco

@@ -30,9 +30,9 @@ webshop        ``webshop_<N>``: WebShop goal (session) N          ``id``: WebSho
 
 ALFWorld games map to the domain's variation index (the game's place in its split's sorted game list:
 official games; for generated games, the variation in the folder name), so the official data (or the
-generated games, with ``env.alfworld_games=generated``) must be there. Games in AgentGym's
+generated games, with ``env.alfworld.games=generated``) must be there. Games in AgentGym's
 ``valid_train`` folder belong to no split this project uses and are skipped (logged). WebShop items
-need a real backend (``env.webshop_backend=text_env`` or ``http``): the stand-in's tasks are not
+need a real backend (``env.webshop.backend=text_env`` or ``http``): the stand-in's tasks are not
 WebShop's goals.
 
 **Normalisation** to what the environments here return: ScienceWorld's first turn is split into the
@@ -266,10 +266,10 @@ def _load_cached(key: tuple[str, int, int], domain: str, cfg_json: str) -> tuple
         raise ExpertDataError(
             f"env.expert_files: no importer for domain {domain!r} (have {', '.join(DOMAINS)})"
         )
-    if domain == "webshop" and cfg.webshop_backend == "standin":
+    if domain == "webshop" and cfg.webshop.backend == "standin":
         raise ExpertDataError(
             f"env.expert_files.webshop ({path}): imported WebShop goals need the real WebShop "
-            "(env.webshop_backend=text_env or http); the stand-in's tasks are not WebShop's goals"
+            "(env.webshop.backend=text_env or http); the stand-in's tasks are not WebShop's goals"
         )
     store = None
     if domain == "alfworld":

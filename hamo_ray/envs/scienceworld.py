@@ -19,7 +19,7 @@ What the package offers (scienceworld 1.2.3) and how this module uses it:
   tabulated below (``_SPLITS_1_2_3``; 3,592 / 1,796 / 1,819 = 7,207 variations; a unit test checks the
   table against the JVM). Any other package version asks its JVM once and caches the answer.
 - **JVM launch** (``hamo_ray.envs.scienceworld_jvm``): the package's env with the JVM heap capped
-  (``env.jvm_heap``); a Java exception from an action becomes the invalid-action answer, a JVM error
+  (``env.scienceworld.jvm_heap``); a Java exception from an action becomes the invalid-action answer, a JVM error
   (out of memory) is raised.
 - **Stepping**: the package's ``step()`` also builds the valid-action list, the look/inventory texts and
   the task description on every call. ``ScienceWorldEnv.step`` instead calls ``server.step`` and reads
@@ -69,7 +69,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from hamo_ray.config import ConfigError, EnvConfig
+from hamo_ray.config import ConfigError, ConfigSection, EnvConfig
 from hamo_ray.envs.base import Domain, StepResult, register_domain
 from hamo_ray.envs.scienceworld_jvm import capped_env_class, is_jvm_error
 from hamo_ray.types import TaskSpec
@@ -77,6 +77,14 @@ from hamo_ray.types import TaskSpec
 logger = logging.getLogger(__name__)
 
 INVALID_ACTION_OBSERVATION = "No known action matches that input."
+
+
+class ScienceWorldConfig(ConfigSection):
+    """ScienceWorld's settings, ``env.scienceworld.*``."""
+
+    jvm_heap: str = "512m"  # one JVM per environment, heap capped (-Xmx)
+    simplifications: str = "easy"  # the simplification preset passed to load()
+
 
 # (train_end, dev_end, num_variations) per task, read from the scienceworld 1.2.3 jar:
 # train = range(0, train_end), dev = range(train_end, dev_end), test = range(dev_end, num_variations).
@@ -161,7 +169,7 @@ def variation_splits(task_type: str) -> dict[str, Sequence[int]]:
         return {"train": range(train_end), "dev": range(train_end, dev_end), "test": range(dev_end, total)}
     if not _QUERIED_SPLITS:
         logger.info("scienceworld %s: reading variation splits from a JVM (one-off)", __version__)
-        sw = capped_env_class()(EnvConfig().jvm_heap)
+        sw = capped_env_class()(ScienceWorldConfig().jvm_heap)
         try:
             _QUERIED_SPLITS.update(query_splits(sw))
         finally:
@@ -179,7 +187,7 @@ class ScienceWorldEnv:
     """One ScienceWorld simulator (one JVM, heap capped) that runs one episode at a time.
 
     Args:
-        cfg: ``jvm_heap`` (JVM ``-Xmx``) and ``simplifications`` (passed to every ``load``; ``"easy"``
+        cfg: ``env.scienceworld``: ``jvm_heap`` (JVM ``-Xmx``) and ``simplifications`` (passed to every ``load``; ``"easy"``
             is the package's preset of teleport/open doors/open containers/self-watering pots/no
             electrical actions, or a comma-separated list of those names, or ``""``).
 
@@ -188,18 +196,20 @@ class ScienceWorldEnv:
     """
 
     def __init__(self, cfg: EnvConfig | None = None) -> None:
-        cfg = cfg or EnvConfig()
-        if not _HEAP_RE.match(cfg.jvm_heap):
-            raise ConfigError(f"env.jvm_heap: {cfg.jvm_heap!r} is not a JVM size such as '512m' or '2g'")
-        self.simplifications = cfg.simplifications
-        self._sw = capped_env_class()(cfg.jvm_heap)
+        sw_cfg: ScienceWorldConfig = (cfg or EnvConfig()).scienceworld
+        if not _HEAP_RE.match(sw_cfg.jvm_heap):
+            raise ConfigError(
+                f"env.scienceworld.jvm_heap: {sw_cfg.jvm_heap!r} is not a JVM size such as '512m' or '2g'"
+            )
+        self.simplifications = sw_cfg.simplifications
+        self._sw = capped_env_class()(sw_cfg.jvm_heap)
         self._server = self._sw.server
         known = ["easy", *self._sw.get_possible_simplifications()]
-        unknown = [s for s in cfg.simplifications.split(",") if s and s not in known]
+        unknown = [s for s in sw_cfg.simplifications.split(",") if s and s not in known]
         if unknown:
             self.close()
             raise ConfigError(
-                f"env.simplifications: unknown scienceworld simplification(s) {unknown}; known: {', '.join(known)}"
+                f"env.scienceworld.simplifications: unknown simplification(s) {unknown}; known: {', '.join(known)}"
             )
         self._task: TaskSpec | None = None
         self._score = 0.0
@@ -292,14 +302,14 @@ class ScienceWorldEnv:
             return INVALID_ACTION_OBSERVATION
 
 
-@register_domain("scienceworld")
+@register_domain("scienceworld", config=ScienceWorldConfig)
 class ScienceWorldDomain(Domain):
     """The 30 ScienceWorld tasks with the package's train/dev/test variation splits."""
 
     @property
     def env_memory_mb(self) -> int:  # type: ignore[override]
         """One JVM per environment: the capped heap plus ~150 MB of JVM and py4j overhead (measured 350-470 MB)."""
-        heap = self.cfg.jvm_heap.lower()
+        heap = self.cfg.scienceworld.jvm_heap.lower()
         mb = int(heap[:-1]) * (1024 if heap.endswith("g") else 1) if heap[-1] in "mg" else 512
         return mb + 150
 

@@ -3,15 +3,15 @@
 ``Stream.__init__`` and the dry run (``jobs/stream.py --dry-run``) call ``check_data_sources``; a
 missing source is a ``DataSourceError`` naming the setting and the path or URL, raised before Ray,
 serving or any episode starts. Nothing is substituted for a missing source: generated ALFWorld games
-(``env.alfworld_games=generated``) and the WebShop stand-in (``env.webshop_backend=standin``) are used
+(``env.alfworld.games=generated``) and the WebShop stand-in (``env.webshop.backend=standin``) are used
 only where the config names them.
 
 Per domain of the stream:
 
 - ScienceWorld: the simulator jar shipped in the ``scienceworld`` wheel, and a ``java`` on PATH.
-- ALFWorld: ``official`` games under ``env.alfworld_data`` / ``$ALFWORLD_DATA`` (the
+- ALFWorld: ``official`` games under ``env.alfworld.data`` / ``$ALFWORLD_DATA`` (the
   ``alfworld-download`` layout); ``generated`` games need nothing (made on first use).
-- WebShop: ``http``: the env server at ``env.webshop_url`` answers; ``text_env``: ``web_agent_site`` is
+- WebShop: ``http``: the env server at ``env.webshop.url`` answers; ``text_env``: ``web_agent_site`` is
   importable; ``standin``: nothing.
 - Experts: with ``env.expert_source=file``, the domain's file in ``env.expert_files`` exists and
   imports (``expert_data``); with ``simulator``, the domain's simulator must have an expert (the real
@@ -69,50 +69,50 @@ def _alfworld(cfg: HamoConfig) -> list[Source]:
     store = GameStore(cfg.env)
     if not store.official:
         return [
-            Source("ALFWorld games", "env.alfworld_games", str(store.generated), "generated on first use")
+            Source("ALFWorld games", "env.alfworld.games", str(store.generated), "generated on first use")
         ]
     store.check()
     n = sum(1 for _ in (store.root / "json_2.1.1" / "train").glob("*/*/game.tw-pddl"))
     return [
-        Source("ALFWorld games", "env.alfworld_games", str(store.root), f"official, {n} train game files")
+        Source("ALFWorld games", "env.alfworld.games", str(store.root), f"official, {n} train game files")
     ]
 
 
 def _webshop(cfg: HamoConfig) -> list[Source]:
     env = cfg.env
-    if env.webshop_backend == "standin":
+    if env.webshop.backend == "standin":
         return [
-            Source("WebShop", "env.webshop_backend", "standin", f"{env.webshop_products} generated products")
+            Source("WebShop", "env.webshop.backend", "standin", f"{env.webshop.products} generated products")
         ]
-    if env.webshop_backend == "text_env":
+    if env.webshop.backend == "text_env":
         if importlib.util.find_spec("web_agent_site") is None:
             raise DataSourceError(
-                "env.webshop_backend=text_env: `web_agent_site` is not importable (install WebShop from "
+                "env.webshop.backend=text_env: `web_agent_site` is not importable (install WebShop from "
                 "https://github.com/princeton-nlp/WebShop with its setup.sh in this environment)"
             )
-        return [Source("WebShop", "env.webshop_backend", "web_agent_site", "text env importable")]
+        return [Source("WebShop", "env.webshop.backend", "web_agent_site", "text env importable")]
     import httpx
 
-    url = env.webshop_url
+    url = env.webshop.url
     if not url:
-        raise DataSourceError("env.webshop_url: required when env.webshop_backend=http")
+        raise DataSourceError("env.webshop.url: required when env.webshop.backend=http")
     try:
         status = httpx.get(url.rstrip("/") + "/", timeout=10.0).status_code
     except httpx.HTTPError as err:
         raise DataSourceError(
-            f"env.webshop_url: the WebShop env server {url} is unreachable (env.webshop_backend=http): "
+            f"env.webshop.url: the WebShop env server {url} is unreachable (env.webshop.backend=http): "
             f"{type(err).__name__}: {err}"
         ) from None
-    return [Source("WebShop", "env.webshop_url", url, f"env server answers (HTTP {status})")]
+    return [Source("WebShop", "env.webshop.url", url, f"env server answers (HTTP {status})")]
 
 
 def _experts(cfg: HamoConfig, domain: str, load: bool) -> Source:
     from hamo_ray.envs.expert_data import expert_file, load_expert_file
 
     if cfg.env.expert_source == "simulator":
-        if domain == "webshop" and cfg.env.webshop_backend != "standin":
+        if domain == "webshop" and cfg.env.webshop.backend != "standin":
             raise DataSourceError(
-                f"env.expert_source=simulator: the real WebShop (env.webshop_backend={cfg.env.webshop_backend}) "
+                f"env.expert_source=simulator: the real WebShop (env.webshop.backend={cfg.env.webshop.backend}) "
                 "has no expert; set env.expert_source=file with env.expert_files.webshop (AgentGym / ETO data)"
             )
         return Source(f"{domain} experts", "env.expert_source", "simulator", "the simulator's expert")

@@ -17,7 +17,7 @@ Usage::
   challenge's own split (train/valid/test food items and preparations) follows ours, and ``tw-simple``
   test games come from its test distribution (``test=True``).
 - **Games** are generated on first use (``textworld.challenges.CHALLENGES[name]`` + ``compile_game``, the
-  same path as ``tw-make``) into ``env.textworld_games_dir`` (default ``~/.cache/hamo_ray/textworld``),
+  same path as ``tw-make``) into ``env.textworld.games_dir`` (default ``~/.cache/hamo_ray/textworld``),
   one folder per (challenge, settings, seed); generation writes a temporary folder and renames it, so
   concurrent processes never see half a game (at worst two generate the same one). ``pregenerate``
   makes the missing games of a task list in parallel processes, with progress logging.
@@ -43,11 +43,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hamo_ray.config import EnvConfig
+from hamo_ray.config import ConfigSection
 from hamo_ray.envs.base import Domain, StepResult, register_domain
 from hamo_ray.types import TaskSpec
 
 logger = logging.getLogger(__name__)
+
+
+class TextWorldConfig(ConfigSection):
+    """TextWorld's settings, ``env.textworld.*``."""
+
+    games_dir: str | None = None  # the generated games; default ~/.cache/hamo_ray/textworld
+
 
 SPLIT_SEEDS = {"train": range(0, 10_000), "dev": range(10_000, 11_000), "test": range(20_000, 21_000)}
 CHALLENGES: dict[str, dict[str, Any]] = {
@@ -247,7 +254,7 @@ class TextWorldEnv:
         self._task = None
 
 
-@register_domain("textworld")
+@register_domain("textworld", config=TextWorldConfig)
 class TextWorldDomain(Domain):
     """Four TextWorld challenges at fixed small difficulties; variations are seeds."""
 
@@ -273,5 +280,5 @@ class TextWorldDomain(Domain):
         return [TaskSpec(domain=self.name, task=task_type, variation=s, split=split) for s in seeds]
 
     def make_env(self) -> TextWorldEnv:
-        cfg: EnvConfig = self.cfg
-        return TextWorldEnv(Path(cfg.textworld_games_dir) if cfg.textworld_games_dir else default_games_dir())
+        games_dir = self.cfg.textworld.games_dir
+        return TextWorldEnv(Path(games_dir) if games_dir else default_games_dir())

@@ -37,7 +37,7 @@ def backbone_key(cfg: HamoConfig) -> str:
         "v": BUILD_VERSION,
         "backbone": cfg.backbone.model_dump(mode="json", exclude={"cache_dir"}),
         "domains": {d: sorted(cfg.task_types(d)) for d in cfg.domains()},
-        "simplifications": cfg.env.simplifications,
+        "simplifications": cfg.env.scienceworld.simplifications,
         "prompt": cfg.prompt.model_dump(mode="json"),
         # the rendered prompt text, not only the switches that select it
         "prompt_format": format_fingerprint(cfg.prompt, cfg.domains()),
@@ -51,11 +51,11 @@ def backbone_key(cfg: HamoConfig) -> str:
     }
     # The data behind a domain's experts, where a setting changes it (not in the key before: kept out for
     # ScienceWorld-only configs so that their cached backbones stay valid).
-    env = cfg.env
+    ws, alf = cfg.env.webshop, cfg.env.alfworld
     if "webshop" in cfg.domains():
-        payload["webshop"] = [env.webshop_backend, env.webshop_products, env.webshop_seed, env.webshop_ids]
+        payload["webshop"] = [ws.backend, ws.products, ws.seed, ws.ids]
     if "alfworld" in cfg.domains():
-        payload["alfworld"] = [env.alfworld_games, env.alfworld_seed, env.alfworld_games_per_task]
+        payload["alfworld"] = [alf.games, alf.seed, alf.games_per_task]
     return hashlib.sha1(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -40,7 +40,7 @@ def _write_files(tmp_path, server: StandinServer, alf_dir: str) -> dict[str, str
     files = {"scienceworld": write(tmp_path / "sciworld.json", items)}
 
     alf = get_domain(
-        "alfworld", EnvConfig(domain="alfworld", alfworld_games="generated", alfworld_games_dir=alf_dir)
+        "alfworld", EnvConfig(domain="alfworld", alfworld={"games": "generated", "games_dir": alf_dir})
     )
     env = alf.make_env()
     try:
@@ -64,7 +64,7 @@ def _write_files(tmp_path, server: StandinServer, alf_dir: str) -> dict[str, str
     files["alfworld"] = write(tmp_path / "alfworld.json", items)
 
     ws = get_domain(
-        "webshop", EnvConfig(domain="webshop", webshop_backend="http", webshop_url=server.url)
+        "webshop", EnvConfig(domain="webshop", webshop={"backend": "http", "url": server.url})
     ).make_env()
     try:
         items = []
@@ -94,9 +94,9 @@ def test_imported_experts_drive_the_cross_stream_with_the_webshop_server(ray_ses
             [
                 "env.expert_source=file",
                 f"env.expert_files={{scienceworld: {files['scienceworld']}, alfworld: {files['alfworld']}, webshop: {files['webshop']}}}",
-                "env.webshop_backend=http",
-                f"env.webshop_url={server.url}",
-                f"env.alfworld_games_dir={alf_dir}",
+                "env.webshop.backend=http",
+                f"env.webshop.url={server.url}",
+                f"env.alfworld.games_dir={alf_dir}",
                 "env.task_types={scienceworld: [find-living-thing], alfworld: [pick_and_place_simple], webshop: [all]}",
                 "env.max_turns=12",
                 # WebShop pages are long: the tiny backbone's tokenizer learns only ScienceWorld and ALFWorld

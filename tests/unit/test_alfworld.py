@@ -37,9 +37,7 @@ def _cfg(games_dir: Path, **kw) -> EnvConfig:
     return EnvConfig(
         domain="alfworld",
         task_types=SIX,
-        alfworld_games="generated",
-        alfworld_data=str(games_dir / "no-official-data"),
-        alfworld_games_dir=str(games_dir),
+        alfworld={"games": "generated", "data": str(games_dir / "no-official-data"), "games_dir": str(games_dir)},
         **kw,
     )
 
@@ -191,9 +189,9 @@ def test_episode_is_done_after_max_turns(games) -> None:
 def test_missing_official_data_stops_with_the_setting_and_folder_named(tmp_path: Path) -> None:
     """Official games asked for (the default) and missing: a ConfigError, never generated games."""
     cfg = EnvConfig(
-        domain="alfworld", alfworld_data=str(tmp_path / "none"), alfworld_games_dir=str(tmp_path / "gen")
+        domain="alfworld", alfworld={"data": str(tmp_path / "none"), "games_dir": str(tmp_path / "gen")}
     )
-    assert cfg.alfworld_games == "official"
+    assert cfg.alfworld.games == "official"
     domain = get_domain("alfworld", cfg)  # cheap: nothing listed, nothing generated
     for call in (
         lambda: domain.tasks("train", "pick_and_place_simple"),
@@ -204,7 +202,7 @@ def test_missing_official_data_stops_with_the_setting_and_folder_named(tmp_path:
     ):
         with pytest.raises(
             ConfigError,
-            match=f"env.alfworld_games=official: no official ALFWorld games under {tmp_path / 'none'}",
+            match=f"env.alfworld.games=official: no official ALFWorld games under {tmp_path / 'none'}",
         ):
             call()
     assert not (tmp_path / "gen").exists()
@@ -214,7 +212,7 @@ def test_listing_tasks_generates_nothing(tmp_path: Path) -> None:
     domain = get_domain("alfworld", _cfg(tmp_path / "games"))
     tasks = domain.tasks("train", "pick_heat_then_place_in_recep", limit=3)
     assert [t.variation for t in tasks] == [0, 1, 2]
-    assert len(domain.tasks("test", "pick_and_place_simple")) == domain.cfg.alfworld_games_per_task
+    assert len(domain.tasks("test", "pick_and_place_simple")) == domain.cfg.alfworld.games_per_task
     assert not (tmp_path / "games").exists()
 
 
@@ -226,7 +224,7 @@ def test_official_data_is_used_when_present(games, tmp_path: Path) -> None:
     dest = tmp_path / "json_2.1.1" / "train" / "pick_and_place_simple-Cd-None-GarbageCan-312" / "trial_T1"
     shutil.copytree(trial, dest)
     official = EnvConfig(
-        domain="alfworld", alfworld_data=str(tmp_path), alfworld_games_dir=str(tmp_path / "gen")
+        domain="alfworld", alfworld={"data": str(tmp_path), "games_dir": str(tmp_path / "gen")}
     )
     domain = get_domain("alfworld", official)
     assert len(domain.tasks("train", "pick_and_place_simple")) == 1

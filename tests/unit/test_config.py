@@ -82,12 +82,12 @@ def test_backbone_key_follows_the_experts_data() -> None:
 
     cross = "jobs/configs/tiny-cross.yaml"
     base = backbone_key(load_config(cross, []))
-    assert backbone_key(load_config(cross, ["env.webshop_ids=short"])) != base
-    assert backbone_key(load_config(cross, ["env.alfworld_seed=1"])) != base
+    assert backbone_key(load_config(cross, ["env.webshop.ids=short"])) != base
+    assert backbone_key(load_config(cross, ["env.alfworld.seed=1"])) != base
     assert backbone_key(load_config(cross, ["train.lr=1e-3"])) == base
     # ScienceWorld-only: WebShop and ALFWorld settings do not touch the key (cached backbones stay valid)
     sw = backbone_key(load_config("jobs/configs/tiny.yaml", []))
-    assert backbone_key(load_config("jobs/configs/tiny.yaml", ["env.webshop_ids=short"])) == sw
+    assert backbone_key(load_config("jobs/configs/tiny.yaml", ["env.webshop.ids=short"])) == sw
 
 
 def test_backbone_per_task_per_domain() -> None:

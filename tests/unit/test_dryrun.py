@@ -40,7 +40,7 @@ def _cli():
 def sources(tmp_path_factory):
     """Faked data sources: {"alfworld": official root, "experts": {domain: file}, "url": env server}."""
     root = tmp_path_factory.mktemp("sources")
-    gen = EnvConfig(domain="alfworld", alfworld_games="generated", alfworld_games_dir=str(root / "gen"))
+    gen = EnvConfig(domain="alfworld", alfworld={"games": "generated", "games_dir": str(root / "gen")})
     game = get_domain("alfworld", gen).store.game_file("train", "pick_and_place_simple", 0)
     for split_dir in ("train", "valid_seen", "valid_unseen"):
         shutil.copytree(game.parent, root / "alfworld" / "json_2.1.1" / split_dir / GAME)
@@ -76,10 +76,10 @@ def _overrides(preset: Path, sources: dict, model: Path) -> list[str]:
     if cfg.env.expert_source == "file":
         files = ", ".join(f"{d}: {sources['experts'][d]}" for d in cfg.domains())
         over.append(f"env.expert_files={{{files}}}")
-    if cfg.env.alfworld_games == "official" and "alfworld" in cfg.domains():
-        over.append(f"env.alfworld_data={sources['alfworld']}")
-    if cfg.env.webshop_backend == "http":
-        over.append(f"env.webshop_url={sources['url']}")
+    if cfg.env.alfworld.games == "official" and "alfworld" in cfg.domains():
+        over.append(f"env.alfworld.data={sources['alfworld']}")
+    if cfg.env.webshop.backend == "http":
+        over.append(f"env.webshop.url={sources['url']}")
     return over
 
 
@@ -132,13 +132,13 @@ def test_missing_sources_fail_naming_them(sources, qwen3_folder, tmp_path: Path,
     dead = _closed_port_url()
     bad_item = write(tmp_path / "bad.json", [{"id": "12_0", "conversations": "none"}])
     cases = [
-        ([f"env.webshop_url={dead}"], f"env.webshop_url: the WebShop env server {dead} is unreachable"),
-        ([f"env.alfworld_data={tmp_path / 'nothing'}"], f"env.alfworld_games=official: no official ALFWorld games under {tmp_path / 'nothing'}"),
+        ([f"env.webshop.url={dead}"], f"env.webshop.url: the WebShop env server {dead} is unreachable"),
+        ([f"env.alfworld.data={tmp_path / 'nothing'}"], f"env.alfworld.games=official: no official ALFWorld games under {tmp_path / 'nothing'}"),
         ([f"env.expert_files={{scienceworld: {tmp_path / 'no.json'}, alfworld: x, webshop: y}}"], f"env.expert_files.scienceworld: {tmp_path / 'no.json'} does not exist"),
         ([f"env.expert_files={{scienceworld: {sources['experts']['scienceworld']}}}"], "env.expert_files has no file for domain 'alfworld'"),
         ([f"env.expert_files={{scienceworld: {bad_item}, alfworld: x, webshop: y}}"], f"expert file {bad_item}: item 0: field 'conversations'"),
-        (["env.expert_source=simulator"], "env.expert_source=simulator: the real WebShop (env.webshop_backend=http) has no expert"),
-        (["env.webshop_backend=text_env"], "env.webshop_backend=text_env: `web_agent_site` is not importable"),
+        (["env.expert_source=simulator"], "env.expert_source=simulator: the real WebShop (env.webshop.backend=http) has no expert"),
+        (["env.webshop.backend=text_env"], "env.webshop.backend=text_env: `web_agent_site` is not importable"),
     ]  # fmt: skip
     main = _cli()
     for extra, expected in cases:
@@ -150,13 +150,13 @@ def test_missing_sources_fail_naming_them(sources, qwen3_folder, tmp_path: Path,
 def test_cli_exit_status_and_stderr(sources, qwen3_folder, tmp_path: Path) -> None:
     preset = ROOT / "jobs" / "configs" / "tiny-cross.yaml"
     proc = subprocess.run(
-        [sys.executable, "jobs/stream.py", "--config", str(preset), "--dry-run", "env.alfworld_games=official",
-         f"env.alfworld_data={tmp_path / 'missing'}", f"model.path={qwen3_folder}"],
+        [sys.executable, "jobs/stream.py", "--config", str(preset), "--dry-run", "env.alfworld.games=official",
+         f"env.alfworld.data={tmp_path / 'missing'}", f"model.path={qwen3_folder}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert (
         proc.returncode == 2
-        and "env.alfworld_games=official" in proc.stderr
+        and "env.alfworld.games=official" in proc.stderr
         and str(tmp_path / "missing") in proc.stderr
     )
 
@@ -168,10 +168,10 @@ def test_stream_stops_before_any_work_on_a_missing_source(tmp_path: Path) -> Non
     runs = tmp_path / "runs"
     cases = [
         (
-            ["env.alfworld_games=official", f"env.alfworld_data={tmp_path / 'none'}"],
-            "env.alfworld_games=official",
+            ["env.alfworld.games=official", f"env.alfworld.data={tmp_path / 'none'}"],
+            "env.alfworld.games=official",
         ),
-        (["env.webshop_backend=http", f"env.webshop_url={_closed_port_url()}"], "is unreachable"),
+        (["env.webshop.backend=http", f"env.webshop.url={_closed_port_url()}"], "is unreachable"),
         (["env.expert_source=file"], "env.expert_files has no file for domain 'scienceworld'"),
     ]
     for extra, expected in cases:

@@ -93,7 +93,7 @@ def test_scienceworld_agentgym_and_eto_round_trip(sw_episodes, tmp_path: Path) -
 def alfworld_game(tmp_path_factory):
     """One generated pick_and_place_simple train game: (generated cfg, its game file)."""
     root = tmp_path_factory.mktemp("alf")
-    cfg = EnvConfig(domain="alfworld", alfworld_games="generated", alfworld_games_dir=str(root / "gen"))
+    cfg = EnvConfig(domain="alfworld", alfworld={"games": "generated", "games_dir": str(root / "gen")})
     game = get_domain("alfworld", cfg).store.game_file("train", "pick_and_place_simple", 0)
     return cfg, game
 
@@ -134,7 +134,7 @@ def test_alfworld_eto_and_agentgym_round_trip(alfworld_game, tmp_path: Path) -> 
     official = tmp_path / "official"
     for f, t in (("pick_and_place_simple-AAA-None-Box-1", "trial_T0"), (folder, trial)):
         shutil.copytree(game.parent, official / "json_2.1.1" / "train" / f / t)
-    ocfg = EnvConfig(domain="alfworld", alfworld_data=str(official))
+    ocfg = EnvConfig(domain="alfworld", alfworld={"data": str(official)})
     avail = "\nAVAILABLE ACTIONS: look,inventory,go to shelf 1"
     # the data's alfworld release wrote the put command as `put O in/on R`; this game's grammar: `move O to R`
     old_form = [re.sub(r"^move (.+?) to (.+)$", r"put \1 in/on \2", a) for a in actions]
@@ -163,7 +163,7 @@ def webshop_server():
 
 
 def test_webshop_agentgym_and_eto_round_trip(webshop_server, tmp_path: Path) -> None:
-    cfg = EnvConfig(domain="webshop", webshop_backend="http", webshop_url=webshop_server.url)
+    cfg = EnvConfig(domain="webshop", webshop={"backend": "http", "url": webshop_server.url})
     env = get_domain("webshop", cfg).make_env()
     try:
         episodes = {
@@ -235,11 +235,11 @@ def test_bad_files_name_file_item_and_field(tmp_path: Path) -> None:
         tmp_path / "ws.json",
         [eto_item(1500, "WebShop [SEP] Instruction: [SEP] x [SEP] Search", ["a"], ["b"])],
     )
-    with pytest.raises(ExpertDataError, match="env.webshop_backend"):
+    with pytest.raises(ExpertDataError, match="env.webshop.backend"):
         load_expert_file(ws, "webshop", EnvConfig(domain="webshop"))
     with pytest.raises(ExpertDataError, match="item 0: field 'item_id'.*webshop_99999"):
         load_expert_file(write(tmp_path / "w2.json", [agentgym_item("webshop_99999", "p", ["a"], ["b"])]),
-                         "webshop", EnvConfig(domain="webshop", webshop_backend="http", webshop_url="http://x"))  # fmt: skip
+                         "webshop", EnvConfig(domain="webshop", webshop={"backend": "http", "url": "http://x"}))  # fmt: skip
 
 
 def test_alfworld_unknown_game_and_missing_official_data_are_named(alfworld_game, tmp_path: Path) -> None:
@@ -259,8 +259,8 @@ def test_alfworld_unknown_game_and_missing_official_data_are_named(alfworld_game
     )
     with pytest.raises(ExpertDataError, match="item 0: field 'game_file'.*no such game"):
         load_expert_file(path, "alfworld", cfg)
-    with pytest.raises(ConfigError, match=f"env.alfworld_games=official.*{tmp_path / 'none'}"):
-        load_expert_file(path, "alfworld", EnvConfig(domain="alfworld", alfworld_data=str(tmp_path / "none")))
+    with pytest.raises(ConfigError, match=f"env.alfworld.games=official.*{tmp_path / 'none'}"):
+        load_expert_file(path, "alfworld", EnvConfig(domain="alfworld", alfworld={"data": str(tmp_path / "none")}))
 
 
 def test_stage_experts_split_like_the_simulator_tasks(tmp_path: Path) -> None:

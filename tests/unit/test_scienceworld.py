@@ -87,7 +87,7 @@ def test_unknown_split_or_task_type(domain: ScienceWorldDomain) -> None:
 
 def test_bad_heap_is_rejected_before_starting_java() -> None:
     with pytest.raises(ConfigError, match="jvm_heap"):
-        ScienceWorldEnv(EnvConfig(jvm_heap="lots"))
+        ScienceWorldEnv(EnvConfig(scienceworld={"jvm_heap": "lots"}))
 
 
 # -- one real simulator ----------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def test_valid_actions_and_reuse(env: ScienceWorldEnv, domain: ScienceWorldDomai
 
 @needs_java
 def test_close_ends_the_jvm_and_unknown_simplification() -> None:
-    env = ScienceWorldEnv(EnvConfig(jvm_heap="256m"))
+    env = ScienceWorldEnv(EnvConfig(scienceworld={"jvm_heap": "256m"}))
     proc = env._sw.java_process
     assert "-Xmx256m" in _cmdline(env.pid)
     with pytest.raises(RuntimeError, match="reset"):
@@ -184,4 +184,4 @@ def test_close_ends_the_jvm_and_unknown_simplification() -> None:
     assert proc.poll() is not None
     env.close()  # idempotent
     with pytest.raises(ConfigError, match="'noGravity'"):
-        ScienceWorldEnv(EnvConfig(simplifications="easy,noGravity"))
+        ScienceWorldEnv(EnvConfig(scienceworld={"simplifications": "easy,noGravity"}))

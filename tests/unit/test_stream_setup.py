@@ -79,10 +79,10 @@ def test_finished_run_is_not_overwritten_silently(tmp_path):
     # A key added to the code after the run started (absent from its config.yaml) is its default: the
     # run resumes; a non-default value for it is a change.
     saved = yaml.safe_load((tmp_path / "r1" / "config.yaml").read_text())
-    del saved["env"]["webshop_ids"]
+    del saved["env"]["webshop"]["ids"]
     (tmp_path / "r1" / "config.yaml").write_text(yaml.safe_dump(saved))
-    with pytest.raises(ConfigError, match="env.webshop_ids"):
-        RunFolder(tmp_path / "r1", _cfg(tmp_path, "run.id=r1", "env.webshop_ids=short")).prepare()
+    with pytest.raises(ConfigError, match="env.webshop"):
+        RunFolder(tmp_path / "r1", _cfg(tmp_path, "run.id=r1", "env.webshop.ids=short")).prepare()
     # Same config: resumes with the committed stage; the state is untouched.
     assert [s.stage for s in RunFolder(tmp_path / "r1", cfg).prepare()] == [1]
     state = json.loads((tmp_path / "r1" / "state.json").read_text())
@@ -100,8 +100,8 @@ def test_constructor_only_validates(tmp_path):
     cfg = _cfg(
         tmp_path,
         "env.domain=alfworld",
-        "env.alfworld_games=generated",
-        f"env.alfworld_games_dir={games}",
+        "env.alfworld.games=generated",
+        f"env.alfworld.games_dir={games}",
         "env.task_types=[pick_and_place_simple]",
         "run.id=lazy",
     )

@@ -27,7 +27,7 @@ def games_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def domain(games_dir: Path) -> TextWorldDomain:
-    domain = get_domain("textworld", EnvConfig(domain="textworld", textworld_games_dir=str(games_dir)))
+    domain = get_domain("textworld", EnvConfig(domain="textworld", textworld={"games_dir": str(games_dir)}))
     pregenerate(games_dir, [domain.tasks("test", c, limit=1)[0] for c in domain.task_types()], workers=2)
     return domain
 

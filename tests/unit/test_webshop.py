@@ -22,7 +22,7 @@ N_PRODUCTS = 1000
 
 @pytest.fixture(scope="module")
 def domain() -> WebShopDomain:
-    return get_domain("webshop", EnvConfig(domain="webshop", webshop_products=N_PRODUCTS))
+    return get_domain("webshop", EnvConfig(domain="webshop", webshop={"products": N_PRODUCTS}))
 
 
 # ---- reward: goal.py get_reward on hand-worked cases ------------------------------------------------
@@ -182,10 +182,10 @@ def test_splits_disjoint_and_errors(domain: WebShopDomain) -> None:
         domain.tasks("test", "toys")
     with pytest.raises(ValueError):
         domain.make_env().reset(TaskSpec(domain="webshop", task="beauty", variation=0, split="test"))
-    with pytest.raises(ConfigError, match="webshop_products"):
-        get_domain("webshop", EnvConfig(webshop_products=20)).tasks("test", "beauty")
-    with pytest.raises(ConfigError, match="webshop_url"):
-        get_domain("webshop", EnvConfig(webshop_backend="http"))
+    with pytest.raises(ConfigError, match="env.webshop.products"):
+        get_domain("webshop", EnvConfig(webshop={"products": 20})).tasks("test", "beauty")
+    with pytest.raises(ConfigError, match="env.webshop.url"):
+        get_domain("webshop", EnvConfig(webshop={"backend": "http"}))
 
 
 def test_catalog_deterministic_by_seed() -> None:
@@ -217,7 +217,7 @@ def server() -> Iterator[StandinServer]:
 
 
 def test_http_client_plays_an_episode(server: StandinServer) -> None:
-    domain = get_domain("webshop", EnvConfig(webshop_backend="http", webshop_url=server.url))
+    domain = get_domain("webshop", EnvConfig(webshop={"backend": "http", "url": server.url}))
     assert domain.task_types() == ["all"]
     tasks = domain.tasks("test", "all", limit=3)
     assert [t.variation for t in tasks] == [0, 1, 2] and domain.tasks("train", "all", 1)[0].variation == 1500
@@ -275,7 +275,7 @@ def test_short_ids_keep_the_catalogue() -> None:
     assert [g.instruction_text for g in asin.goals["beauty"]] == [
         g.instruction_text for g in short.goals["beauty"]
     ]
-    cfg = EnvConfig(domain="webshop", webshop_products=200, webshop_seed=3, webshop_ids="short")
+    cfg = EnvConfig(domain="webshop", webshop={"products": 200, "seed": 3, "ids": "short"})
     domain = get_domain("webshop", cfg)
     task = domain.tasks("dev", "beauty", limit=1)[0]
     env = domain.make_env()
@@ -285,9 +285,9 @@ def test_short_ids_keep_the_catalogue() -> None:
     for action in actions:
         result = env.step(action)
     assert result.done and result.score > 0
-    with pytest.raises(ConfigError, match="webshop_products=6000"):
-        get_domain("webshop", EnvConfig(webshop_products=6000, webshop_ids="short")).tasks("test", "beauty")
-    with pytest.raises(ValueError, match="webshop_ids"):
+    with pytest.raises(ConfigError, match="env.webshop.products=6000"):
+        get_domain("webshop", EnvConfig(webshop={"products": 6000, "ids": "short"})).tasks("test", "beauty")
+    with pytest.raises(ValueError, match="ids='long'"):
         build_catalog.__wrapped__(0, 200, "long")
 
 

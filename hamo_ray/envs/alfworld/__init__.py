@@ -12,18 +12,18 @@ Usage::
 - **Task types**: ALFWorld's six (``pick_and_place_simple``, ``look_at_obj_in_light``,
   ``pick_clean_then_place_in_recep``, ``pick_heat_then_place_in_recep``, ``pick_cool_then_place_in_recep``,
   ``pick_two_obj_and_place``); another name is a ``ConfigError`` naming it.
-- **Games** (``env.alfworld_games``): ``official`` (the default) uses the downloaded games, in the layout
+- **Games** (``env.alfworld.games``): ``official`` (the default) uses the downloaded games, in the layout
   ``alfworld-download`` fills: ``$ALFWORLD_DATA/json_2.1.1/{train,valid_seen,valid_unseen}/<task>-.../trial_.../
-  game.tw-pddl`` (root: ``env.alfworld_data``, else ``$ALFWORLD_DATA``, else ``~/.cache/alfworld``). Splits:
+  game.tw-pddl`` (root: ``env.alfworld.data``, else ``$ALFWORLD_DATA``, else ``~/.cache/alfworld``). Splits:
   ``train`` = train, ``dev`` = valid_seen, ``test`` = valid_unseen; a split's games of one type, sorted by
   path, are its variations (movable/sliced trials and unsolvable games skipped, as ``AlfredTWEnv`` does).
   Missing official games stop a run before any work (``GameStore.check``: a ``ConfigError`` naming
-  ``env.alfworld_games`` and the folder); nothing is substituted. ``generated`` (asked for explicitly,
+  ``env.alfworld.games`` and the folder); nothing is substituted. ``generated`` (asked for explicitly,
   e.g. by the tiny presets, since the official games cannot be downloaded here) makes ALFRED-style games
   with ``generate.py`` (rooms: ``layout.py``; validation: ``expert.py``) on the package's own PDDL
   domain, grammar and room layouts, in the same layout,
-  under ``env.alfworld_games_dir`` (default ``~/.cache/hamo_ray/alfworld/<generator version>-seed<alfworld_seed>``),
-  ``env.alfworld_games_per_task`` variations per task type and split; their scores are not comparable
+  under ``env.alfworld.games_dir`` (default ``~/.cache/hamo_ray/alfworld/<generator version>-seed<seed>``),
+  ``env.alfworld.games_per_task`` variations per task type and split; their scores are not comparable
   with published ALFWorld numbers. Train/dev use ALFRED's train floor plans (dev: other placements,
   like valid_seen), test its held-out floor plans (like valid_unseen): train and test never share a room.
   Building the domain and listing its ``tasks()`` generate nothing (so config checks stay fast); a
@@ -57,6 +57,6 @@ Usage::
 
 from __future__ import annotations
 
-from hamo_ray.envs.alfworld.domain import AlfWorldDomain, AlfWorldEnv
+from hamo_ray.envs.alfworld.domain import AlfWorldConfig, AlfWorldDomain, AlfWorldEnv
 
-__all__ = ["AlfWorldDomain", "AlfWorldEnv"]
+__all__ = ["AlfWorldConfig", "AlfWorldDomain", "AlfWorldEnv"]

@@ -12,9 +12,9 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from hamo_ray.config import ConfigError, EnvConfig
+from hamo_ray.config import ConfigError, ConfigSection, EnvConfig
 from hamo_ray.envs.alfworld.generate import SPLIT_DIRS, TASK_TYPES, game_dir_prefix
 from hamo_ray.envs.base import Domain, StepResult, register_domain
 from hamo_ray.types import TaskSpec
@@ -26,9 +26,22 @@ _TASK_PREFIX = "Your task is to: "
 _BANNER = "-= Welcome to TextWorld, ALFRED! =-"
 
 
+class AlfWorldConfig(ConfigSection):
+    """ALFWorld's settings, ``env.alfworld.*``."""
+
+    # "official" (the downloaded games; missing data stops the run before any work) or "generated"
+    # (hamo_ray/envs/alfworld/generate.py; not comparable with published ALFWorld numbers).
+    games: Literal["official", "generated"] = "official"
+    # the official games (ALFWORLD_DATA layout, json_2.1.1/...); default $ALFWORLD_DATA, else ~/.cache/alfworld
+    data: str | None = None
+    games_dir: str | None = None  # the generated games; default ~/.cache/hamo_ray/alfworld
+    seed: int = 0  # generator seed of the generated games
+    games_per_task: int = 200  # generated games per task type and split
+
+
 def official_root(cfg: EnvConfig) -> Path:
-    """Where official games are looked for: ``env.alfworld_data``, else $ALFWORLD_DATA, else ~/.cache/alfworld."""
-    root = cfg.alfworld_data or os.environ.get("ALFWORLD_DATA") or "~/.cache/alfworld"
+    """Where official games are looked for: ``env.alfworld.data``, else $ALFWORLD_DATA, else ~/.cache/alfworld."""
+    root = cfg.alfworld.data or os.environ.get("ALFWORLD_DATA") or "~/.cache/alfworld"
     return Path(root).expanduser()
 
 
@@ -36,8 +49,8 @@ def generated_root(cfg: EnvConfig) -> Path:
     """Cache folder of the generated games (one subfolder per generator version and seed)."""
     from hamo_ray.envs.alfworld.generate import GENERATOR_VERSION
 
-    base = Path(cfg.alfworld_games_dir or "~/.cache/hamo_ray/alfworld").expanduser()
-    return base / f"{GENERATOR_VERSION}-seed{cfg.alfworld_seed}"
+    base = Path(cfg.alfworld.games_dir or "~/.cache/hamo_ray/alfworld").expanduser()
+    return base / f"{GENERATOR_VERSION}-seed{cfg.alfworld.seed}"
 
 
 @functools.cache
@@ -73,7 +86,7 @@ def _game_logic() -> tuple[str, str]:
 class GameStore:
     """Maps a ``TaskSpec`` to its game file: an official one, or a generated one (made on first use).
 
-    ``env.alfworld_games`` decides which: ``official`` games must be there (``check`` raises otherwise,
+    ``env.alfworld.games`` decides which: ``official`` games must be there (``check`` raises otherwise,
     naming the setting and the folder); ``generated`` ones are made when an episode first needs them.
     Construction is cheap: no folder is listed and nothing is generated.
     """
@@ -81,26 +94,26 @@ class GameStore:
     def __init__(self, cfg: EnvConfig) -> None:
         self.cfg = cfg
         self.root = official_root(cfg)
-        self.official = cfg.alfworld_games == "official"
+        self.official = cfg.alfworld.games == "official"
         self.generated = generated_root(cfg)
 
     def describe(self) -> str:
         """Where the games come from, for messages."""
         if self.official:
             return f"{self.root} (official games)"
-        return f"{self.generated} (generated games, env.alfworld_games=generated)"
+        return f"{self.generated} (generated games, env.alfworld.games=generated)"
 
     def check(self) -> None:
         """Raise unless the configured games can be had.
 
         Raises:
-            ConfigError: ``env.alfworld_games=official`` and no official games under the data folder.
+            ConfigError: ``env.alfworld.games=official`` and no official games under the data folder.
         """
         if self.official and not has_official_data(self.root):
             raise ConfigError(
-                f"env.alfworld_games=official: no official ALFWorld games under {self.root} "
+                f"env.alfworld.games=official: no official ALFWorld games under {self.root} "
                 "(expected json_2.1.1/train/<task>/<trial>/game.tw-pddl, as `alfworld-download` fills; "
-                "set env.alfworld_data or $ALFWORLD_DATA to that folder, or env.alfworld_games=generated "
+                "set env.alfworld.data or $ALFWORLD_DATA to that folder, or env.alfworld.games=generated "
                 "for generated games, which are not comparable with published ALFWorld numbers)"
             )
 
@@ -113,7 +126,7 @@ class GameStore:
                     return i
             return None
         m = re.fullmatch(rf"{re.escape(task_type)}-(\d{{5}})-.*", folder)
-        if m is None or trial != "trial_hamo" or int(m.group(1)) >= self.cfg.alfworld_games_per_task:
+        if m is None or trial != "trial_hamo" or int(m.group(1)) >= self.cfg.alfworld.games_per_task:
             return None
         return int(m.group(1))
 
@@ -121,7 +134,7 @@ class GameStore:
         if self.official:
             self.check()
             return len(official_games(self.root, split, task_type))
-        return self.cfg.alfworld_games_per_task
+        return self.cfg.alfworld.games_per_task
 
     def game_file(self, split: str, task_type: str, variation: int) -> Path:
         """The game file of a variation, generating (and caching) it if needed.
@@ -143,7 +156,7 @@ class GameStore:
         from hamo_ray.envs.alfworld.generate import generate_game
 
         domain, grammar = _game_logic()
-        seed = self.cfg.alfworld_seed
+        seed = self.cfg.alfworld.seed
         return generate_game(self.generated, domain, grammar, split, task_type, variation, seed)
 
     def existing_game(self, split: str, task_type: str, variation: int) -> Path | None:
@@ -191,7 +204,7 @@ class AlfWorldEnv:
 
     Args:
         cfg: ``max_turns`` (an episode is done, unwon, after this many steps) and the game sources
-            (``alfworld_data``, ``alfworld_games_dir``, ``alfworld_seed``, ``alfworld_games_per_task``).
+            (``env.alfworld``: ``data``, ``games_dir``, ``seed``, ``games_per_task``).
     """
 
     def __init__(self, cfg: EnvConfig | None = None, store: GameStore | None = None) -> None:
@@ -283,9 +296,9 @@ class AlfWorldEnv:
         self.close()
 
 
-@register_domain("alfworld")
+@register_domain("alfworld", config=AlfWorldConfig)
 class AlfWorldDomain(Domain):
-    """ALFWorld's six task types; official games (``ALFWORLD_DATA``) or generated ones (``env.alfworld_games``).
+    """ALFWorld's six task types; official games (``ALFWORLD_DATA``) or generated ones (``env.alfworld.games``).
 
     Splits: ``train`` = ``json_2.1.1/train``, ``dev`` = ``valid_seen``, ``test`` = ``valid_unseen``.
     """

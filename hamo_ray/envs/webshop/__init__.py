@@ -1,13 +1,13 @@
 """WebShop as a HaMo domain: an offline stand-in with generated data, or the real WebShop.
 
-``env.webshop_backend`` chooses:
+``env.webshop.backend`` chooses:
 
 - ``standin`` (default): ``standin.WebShopStandinEnv`` over a generated catalogue (``catalog.py``) with
   WebShop's action space, text pages and reward (``reward.py``). Task types are the five product
   categories; variations index each category's instructions (train/dev/test disjoint). This is not
   the WebShop benchmark: its scores are not comparable with published WebShop numbers.
 - ``text_env``: WebShop's own ``WebAgentTextEnv`` in-process (``web_agent_site`` must be importable).
-- ``http``: a WebShop environment server (AgentGym API) at ``env.webshop_url``.
+- ``http``: a WebShop environment server (AgentGym API) at ``env.webshop.url``.
 
 The real backends have one task type, ``all`` (see ``client.py`` for splits and how to start them), and
 no expert: a run with them imports its WebShop experts (``env.expert_source=file``, ``expert_data.py``).
@@ -25,17 +25,32 @@ Usage::
 
 from __future__ import annotations
 
-from hamo_ray.config import ConfigError, EnvConfig
+from typing import Literal
+
+from hamo_ray.config import ConfigError, ConfigSection, EnvConfig
 from hamo_ray.envs.base import Domain, Env, register_domain
 from hamo_ray.types import TaskSpec
 
 
-@register_domain("webshop")
+class WebShopConfig(ConfigSection):
+    """WebShop's settings, ``env.webshop.*``."""
+
+    # the offline stand-in (generated catalogue), the real text env in-process, or an env server
+    backend: Literal["standin", "text_env", "http"] = "standin"
+    url: str | None = None  # env server base URL (AgentGym API), for backend=http
+    products: int = 3000  # stand-in catalogue size (text_env: 100, 1000 or 100000 picks its index)
+    seed: int = 0  # stand-in catalogue and instructions
+    # Stand-in product ids: "asin" (WebShop's B0 + 8 letters/digits) or "short" (B0 + 4 digits, at most
+    # 5,000 products): the same catalogue, ids a tiny model can copy from a results page into a click.
+    ids: Literal["asin", "short"] = "asin"
+
+
+@register_domain("webshop", config=WebShopConfig)
 class WebShopDomain(Domain):
     """WebShop tasks: stand-in categories, or the real WebShop's goal list (task type ``all``).
 
     Raises:
-        ConfigError: ``webshop_backend=http`` without ``webshop_url``; (on first use) a stand-in
+        ConfigError: ``env.webshop.backend=http`` without ``env.webshop.url``; (on first use) a stand-in
             catalogue smaller than 50 products, or short ids with over 5,000.
     """
 
@@ -43,19 +58,20 @@ class WebShopDomain(Domain):
 
     def __init__(self, cfg: EnvConfig) -> None:
         super().__init__(cfg)
-        if cfg.webshop_backend == "http" and not cfg.webshop_url:
-            raise ConfigError("env.webshop_url: required when env.webshop_backend=http")
+        self.ws: WebShopConfig = cfg.webshop
+        if self.ws.backend == "http" and not self.ws.url:
+            raise ConfigError("env.webshop.url: required when env.webshop.backend=http")
 
     def _catalog(self):
         from hamo_ray.envs.webshop.catalog import build_catalog
 
         try:
-            return build_catalog(self.cfg.webshop_seed, self.cfg.webshop_products, self.cfg.webshop_ids)
+            return build_catalog(self.ws.seed, self.ws.products, self.ws.ids)
         except ValueError as err:
-            raise ConfigError(f"env.{err}") from None  # the message starts with the key: webshop_products=...
+            raise ConfigError(f"env.webshop.{err}") from None  # the message starts with the key: products=...
 
     def task_types(self) -> list[str]:
-        if self.cfg.webshop_backend == "standin":
+        if self.ws.backend == "standin":
             from hamo_ray.envs.webshop.catalog import CATEGORIES
 
             return list(CATEGORIES)
@@ -71,7 +87,7 @@ class WebShopDomain(Domain):
         """
         self.check_split(split)
         self.check_task_types([task_type])
-        if self.cfg.webshop_backend == "standin":
+        if self.ws.backend == "standin":
             variations = self._catalog().split_range(task_type, split)
         else:
             from hamo_ray.envs.webshop.client import REAL_SPLITS
@@ -82,7 +98,7 @@ class WebShopDomain(Domain):
         return [TaskSpec(domain=self.name, task=task_type, variation=v, split=split) for v in variations]
 
     def make_env(self) -> Env:
-        backend = self.cfg.webshop_backend
+        backend = self.ws.backend
         if backend == "standin":
             from hamo_ray.envs.webshop.standin import WebShopStandinEnv
 
@@ -90,8 +106,8 @@ class WebShopDomain(Domain):
         if backend == "http":
             from hamo_ray.envs.webshop.client import WebShopHttpEnv
 
-            return WebShopHttpEnv(self.cfg.webshop_url)
+            return WebShopHttpEnv(self.ws.url)
         from hamo_ray.envs.webshop.client import WebShopTextEnv
 
-        n = self.cfg.webshop_products
+        n = self.ws.products
         return WebShopTextEnv(n if n in (100, 1000, 100000) else None)

@@ -294,13 +294,12 @@ def build_catalog(seed: int = 0, num_products: int = 3000, ids: str = "asin") ->
             with more than 5,000 products; an unknown ``ids``.
     """
     if num_products < 10 * len(CATEGORIES):
-        raise ValueError(f"webshop_products={num_products}: need at least {10 * len(CATEGORIES)}")
+        raise ValueError(f"products={num_products}: need at least {10 * len(CATEGORIES)}")
     if ids not in ("asin", "short"):
-        raise ValueError(f"webshop_ids={ids!r}: expected 'asin' or 'short'")
+        raise ValueError(f"ids={ids!r}: expected 'asin' or 'short'")
     if ids == "short" and num_products > MAX_SHORT_ID_PRODUCTS:
         raise ValueError(
-            f"webshop_products={num_products}: at most {MAX_SHORT_ID_PRODUCTS} with webshop_ids=short"
-            " (4-digit ids)"
+            f"products={num_products}: at most {MAX_SHORT_ID_PRODUCTS} with ids=short (4-digit ids)"
         )
     rng = random.Random(seed)
     short_ids = random.Random(f"short-ids-{seed}") if ids == "short" else None

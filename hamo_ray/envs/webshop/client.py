@@ -3,13 +3,13 @@
 Neither can run here (WebShop needs its repository, a product file from a file host, a spaCy model and
 a pyserini/Java index), so the HTTP client is tested against a loopback server speaking the same API.
 
-**In-process** (``env.webshop_backend=text_env``): needs ``web_agent_site`` importable, i.e. a checkout of
+**In-process** (``env.webshop.backend=text_env``): needs ``web_agent_site`` importable, i.e. a checkout of
 https://github.com/princeton-nlp/WebShop set up with its ``setup.sh -d small`` (or ``-d all``) in the
 same Python environment. ``WebShopTextEnv`` wraps ``web_agent_site.envs.WebAgentTextEnv(observation_mode=
 "text", num_products=...)``: ``reset(session=i)`` loads goal ``i`` of the server's goal list,
 ``step(action)`` returns ``(observation, reward 0-1, done, info)``.
 
-**Environment server** (``env.webshop_backend=http env.webshop_url=http://host:36001``): the AgentGym
+**Environment server** (``env.webshop.backend=http env.webshop.url=http://host:36001``): the AgentGym
 WebShop server (``agentenv-webshop``; start it with ``webshop --host 0.0.0.0 --port 36001`` after its
 ``setup.sh``). Its API, which ``WebShopHttpEnv`` speaks:
 
@@ -48,7 +48,7 @@ REAL_SPLITS = {"test": range(0, 500), "dev": range(500, 1500), "train": range(15
 _NO_EXPERT = (
     "the real WebShop offers no expert actions through its text environment or env server; "
     "import expert trajectories (env.expert_source=file, env.expert_files.webshop=<AgentGym/ETO file>) "
-    "or use the stand-in (env.webshop_backend=standin)"
+    "or use the stand-in (env.webshop.backend=standin)"
 )
 
 

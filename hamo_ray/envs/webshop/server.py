@@ -1,13 +1,13 @@
 """A loopback WebShop environment server speaking the AgentGym API, backed by the offline stand-in.
 
-It lets the HTTP backend (``env.webshop_backend=http``) run end to end where the real WebShop cannot
+It lets the HTTP backend (``env.webshop.backend=http``) run end to end where the real WebShop cannot
 (tests, a laptop): same routes and payloads as AgentGym's ``agentenv-webshop`` server (see
 ``client.py``), pages and rewards from ``standin.WebShopStandinEnv``. It is not the WebShop benchmark.
 
 Usage::
 
     with StandinServer(build_catalog(0, 1000)) as url:      # http://127.0.0.1:<free port>
-        run with env.webshop_backend=http env.webshop_url=<url>
+        run with env.webshop.backend=http env.webshop.url=<url>
 
 Goal (session) ``i`` is a stand-in instruction in the same split as WebShop's goal ``i`` (test 0-499,
 dev 500-1499, train 1500 on: ``client.REAL_SPLITS``): category ``CATEGORIES[i % 5]``, the
