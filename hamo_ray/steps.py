@@ -1,27 +1,21 @@
-"""The steps of a stage, as functions of the config, the run folder and the data; ``Stream`` runs them.
+"""What every stage of a run stands on: the seeds, the protocol's task lists, the rollout pools, the backbone.
 
-The numbers are those of the eight steps in docs/architecture.md. Step 1 (collect) and step 5
-(train) are ``Stream`` methods; the rest are here, with the task lists of a protocol and the
-rollout pools::
+The steps of a stage themselves are ``hamo_ray.stage``; ``Stream`` sets these up once per run::
 
-    pools = EnvPools(cfg)
-    store, figures = distil(cfg, folder, stage, trajectories) # 2. cards into the memory
-    anchors, budget = select(cfg, trajectories, store)        # 3. coverage selection
-    replayed = replay(cfg, folder, stage, done, len(anchors)) # 4. earlier stages' anchors
-    scores = evaluate(pools, folder, stage, test_tasks, spec) # 7. every domain's test set
+    seed = stage_seed(cfg.run.seed, stage, "evaluate")   # one seed per (run seed, stage, purpose)
+    tasks = TaskLists(cfg, domains)                       # tasks.stages[t - 1], tasks.test[domain]
+    pools = EnvPools(cfg)                                 # pools(domain).run(tasks, spec, desc)
+    model_path = resolve_backbone(cfg, folder, pools)     # the HF folder training and serving load
 """
 
 from __future__ import annotations
 
 import logging
-import math
+from functools import cached_property
 
 from hamo_ray.config import HamoConfig
-from hamo_ray.memory.pipeline import add_stage_cards
-from hamo_ray.rollout.client import PolicySpec
 from hamo_ray.run_folder import PhaseClock, RunFolder
-from hamo_ray.selection import sample_replay, select_anchors
-from hamo_ray.types import StageResult, TaskSpec, Trajectory
+from hamo_ray.types import TaskSpec, Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +68,28 @@ def stage_tasks(cfg: HamoConfig, domains: dict) -> list[list[TaskSpec]]:
     return split_stages(by_type, p.num_stages)
 
 
+class TaskLists:
+    """A run's task lists, each made on first use (ALFWorld generates games then).
+
+    Args:
+        cfg: the run's config (``protocol``, ``env.task_types``).
+        domains: domain name -> ``Env`` (``hamo_ray.envs.get_domain``).
+    """
+
+    def __init__(self, cfg: HamoConfig, domains: dict) -> None:
+        self.cfg, self.domains = cfg, domains
+
+    @cached_property
+    def stages(self) -> list[list[TaskSpec]]:
+        """Each stage's training tasks (``stages[t - 1]`` for stage t)."""
+        return stage_tasks(self.cfg, self.domains)
+
+    @cached_property
+    def test(self) -> dict[str, list[TaskSpec]]:
+        """Every domain's test tasks, evaluated after every stage."""
+        return {name: domain_tasks(self.cfg, self.domains, name, "test") for name in self.domains}
+
+
 class EnvPools:
     """One ``EnvPool`` (rollout actors) per domain, made on first use: ``pools(domain)``."""
 
@@ -110,105 +126,5 @@ def resolve_backbone(cfg: HamoConfig, folder: RunFolder, pools: EnvPools) -> str
             return pools(domain).run(tasks, None, desc=f"backbone experts ({domain})")
 
         with PhaseClock(folder.timings)("backbone"):
-            folder.backbone = str(ensure_backbone(cfg, experts, folder.path / "train"))
+            folder.backbone = str(ensure_backbone(cfg, experts))
     return folder.backbone
-
-
-def distil(cfg: HamoConfig, folder: RunFolder, stage: int, trajs: list[Trajectory], endpoint=None):
-    """Stage step 2: the run's memory with the stage's cards added, and what distilling did.
-
-    ``memory.llm_base_url: policy`` is bound to ``endpoint`` (the run's policy endpoint, base model).
-
-    Returns:
-        ``(store, figures)``: the store (None when the method has no memory) and ``cards_added``,
-        ``rejected``, ``llm_outlines``, ``fallback_outlines`` (outlines the LLM distiller failed to
-        write, written by the deterministic one instead); empty without memory.
-    """
-    if not cfg.method.uses_memory:
-        return None, {}
-    mcfg = cfg.memory
-    if endpoint is not None:
-        from hamo_ray.memory.distill_llm import bind_policy
-
-        mcfg = bind_policy(
-            mcfg, endpoint.base_url, cfg.model.name, endpoint.api_key, cfg.model.template_kwargs()
-        )
-    elif mcfg.distiller == "llm" and mcfg.llm_base_url == "policy":
-        raise ValueError("memory.llm_base_url='policy' needs the run's policy endpoint")
-    store = folder.store(cfg)
-    report = add_stage_cards(store, trajs, stage, mcfg)
-    figures = {
-        "cards_added": report.added,
-        "rejected": len(report.rejected),
-        "llm_outlines": report.sources.get("llm", 0),
-        "fallback_outlines": report.fallbacks,
-    }
-    return store, figures
-
-
-def select(cfg: HamoConfig, trajs: list[Trajectory], store, stage: int = 0) -> tuple[list[Trajectory], int]:
-    """Stage step 3: anchors by retrieval coverage over the stage's cards (all, without selection).
-
-    A floor above the greedy saturation point is filled round-robin over the trajectories' task
-    types, ties drawn with the stage's seed (``run.seed * 1000 + stage``).
-    """
-    sc, use = cfg.selection, cfg.method.selection and store is not None
-    vectors = store.vectors([t.card_id for t in trajs]) if use else None
-    floor = max(sc.min_budget, math.ceil(sc.min_fraction * len(trajs)))
-    types = [(t.task.domain, t.task.task) for t in trajs]
-    seed = cfg.run.seed * 1000 + stage
-    return select_anchors(trajs, vectors, sc.k, floor, sc.batch_size, groups=types, seed=seed)
-
-
-def replay(
-    cfg: HamoConfig, folder: RunFolder, stage: int, done: list[StageResult], n: int
-) -> list[Trajectory]:
-    """Stage step 4: ``replay.ratio`` x ``n`` anchors of earlier stages (none without training)."""
-    if not (cfg.method.replay and cfg.method.train):
-        return []
-    return sample_replay(folder.anchors(done), n, cfg.replay.ratio, seed=cfg.run.seed * 1000 + stage)
-
-
-def evaluate(
-    pools: EnvPools, folder: RunFolder, stage: int, test_tasks: dict, spec: PolicySpec
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Stage step 7: every domain's test tasks against the endpoint; the episodes are saved.
-
-    Returns:
-        Domain -> mean score (0-100) over the episodes that ran (an episode that failed, e.g. its
-        prompt refused as too long, is left out of the mean and counted apart, never scored 0), and the
-        evaluation's figures: ``episodes`` and ``failed_episodes`` (also per domain,
-        ``episodes/<domain>``, ``failed/<domain>``), ``seconds_per_episode`` (wall time over all domains
-        / episodes) and, where the endpoint reports vLLM's counters, ``prefix_cache_hit_rate`` (prompt
-        tokens served from the prefix cache).
-    """
-    import time
-
-    from hamo_ray.serving.client import hit_rate, prefix_cache_counters
-
-    scores, stats, episodes, n_failed, start = {}, {}, 0, 0, time.perf_counter()
-    before = prefix_cache_counters(spec.base_url, spec.api_key)
-    for domain, tasks in test_tasks.items():
-        trajs = pools(domain).run(tasks, spec, desc=f"stage {stage} evaluation ({domain})")
-        folder.save_episodes(stage, domain, trajs)
-        failed = [t for t in trajs if t.error]
-        played = [t for t in trajs if not t.error]
-        if failed:
-            logger.warning(
-                "evaluate: %d %s episodes failed (left out of the score, counted apart): %s",
-                len(failed), domain, failed[0].error,
-            )  # fmt: skip
-        scores[domain] = sum(t.score for t in played) / len(played) if played else 0.0
-        stats[f"episodes/{domain}"], stats[f"failed/{domain}"] = len(trajs), len(failed)
-        episodes += len(trajs)
-        n_failed += len(failed)
-    stats |= {
-        "episodes": episodes,
-        "failed_episodes": n_failed,
-        "seconds_per_episode": (time.perf_counter() - start) / max(1, episodes),
-    }
-    rate = hit_rate(before, prefix_cache_counters(spec.base_url, spec.api_key))
-    if rate is not None:
-        stats["prefix_cache_hit_rate"] = rate
-    logger.info("evaluate: %s", {k: round(v, 3) for k, v in stats.items()})
-    return scores, stats

@@ -308,11 +308,11 @@ def release_internalised(
     """docs/method.md step 6: release the cards of the anchors the trained model has internalised.
 
     Called after training when ``method.release`` is on. ``replays`` are the anchors' tasks played
-    again by the new adapter with no card injected (``Stream._release`` runs them with retrieval off);
-    they are matched to the anchors by task id (``TaskSpec.id``). An anchor's card is released when its
-    task has at least one replay and every replay of it is :func:`internalised` (no error, score >=
-    ``mcfg.release_min_score``); an anchor without a replay keeps its card. Released cards stay in the
-    table; search skips them from then on.
+    again by the new adapter with no card injected (``hamo_ray.stage.release`` runs them with retrieval
+    off); they are matched to the anchors by task id (``TaskSpec.id``). An anchor's card is released
+    when its task has at least one replay and every replay of it is :func:`internalised` (no error,
+    score >= ``mcfg.release_min_score``); an anchor without a replay keeps its card. Released cards
+    stay in the table; search skips them from then on.
 
     Args:
         store: the memory (the writer's).

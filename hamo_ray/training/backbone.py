@@ -102,13 +102,12 @@ def _corpus(trajs: list[Trajectory], experience: dict[str, list[Card]], cfg: Ham
     return texts
 
 
-def ensure_backbone(cfg: HamoConfig, run_expert, storage_path: Path) -> Path:
+def ensure_backbone(cfg: HamoConfig, run_expert) -> Path:
     """Return the cached embedded backbone for ``cfg``, building it first if needed.
 
     Args:
         cfg: the run's config (backbone, env, prompt and memory settings; every domain of the stream).
         run_expert: ``(domain, tasks) -> list[Trajectory]``, rolling out expert episodes (an ``EnvPool``).
-        storage_path: Ray Train's storage for the build's checkpoints.
 
     Returns:
         The backbone's Hugging Face folder.
@@ -124,10 +123,10 @@ def ensure_backbone(cfg: HamoConfig, run_expert, storage_path: Path) -> Path:
         if (path / "BUILD_DONE").exists():
             logger.info("backbone: built meanwhile by another run: %s", path)
             return path
-        return _build(cfg, run_expert, storage_path, path)
+        return _build(cfg, run_expert, path)
 
 
-def _build(cfg: HamoConfig, run_expert, storage_path: Path, path: Path) -> Path:
+def _build(cfg: HamoConfig, run_expert, path: Path) -> Path:
     from transformers import AutoTokenizer
 
     from hamo_ray.envs import get_domain
@@ -173,7 +172,6 @@ def _build(cfg: HamoConfig, run_expert, storage_path: Path, path: Path) -> Path:
         examples,
         staging / "model",
         cfg.train,
-        storage_path,
         pad_id=tokenizer.pad_token_id,
         lora=False,
         epochs=bcfg.epochs,

@@ -13,7 +13,8 @@ adapter, frozen (its log-probabilities are computed once, before the first updat
 
 It runs on the same loop as behavioural cloning (``loop.py``: model loading, packed batches, the
 DDP/DeepSpeed step, bf16 on GPU; ``stage.py``: the epochs and per-step figures) and the same long-lived workers (``group.py``); ``beta`` and the
-epochs come from ``TrainConfig.dpo_beta`` / ``dpo_epochs``::
+epochs come from ``TrainConfig.dpo_beta`` / ``dpo_epochs``. The workers get a
+:class:`~hamo_ray.training.contracts.DpoJob` (``group.train_dpo(job)``)::
 
     result = train_dpo(base, bc_adapter, encode_pairs(pairs, tok, pcfg, 1024), out_dir, tcfg, pad_id=0)
 """
@@ -22,13 +23,18 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hamo_ray.config import PromptConfig, TrainConfig
+from hamo_ray.training.contracts import DpoJob, EncodedPair, StageOutput, TrainResult
 from hamo_ray.training.examples import trajectory_examples
-from hamo_ray.training.trainer import TrainResult, pack_budget, run_stage, stage_job
+from hamo_ray.training.trainer import on_group, pack_budget, stage_job
 from hamo_ray.types import Trajectory
+
+if TYPE_CHECKING:
+    from hamo_ray.training.group import TrainerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -51,28 +57,23 @@ def encode_pairs(
     max_seq_len: int,
     chat_template_kwargs: dict | None = None,
     **options: Any,
-) -> list[dict[str, list[dict]]]:
+) -> list[EncodedPair]:
     """Tokenise (chosen, rejected) pairs as behavioural-cloning examples (same template variables and
     format as training: ``options`` are ``trajectory_examples``'s ``budget`` and ``per_step``).
 
     Returns:
-        ``[{"chosen": [steps], "rejected": [steps]}]``; a pair with a side left empty is dropped.
+        One ``EncodedPair`` per pair; a pair with a side left empty is dropped.
     """
     out = []
     for chosen, rejected in pairs:
         c = trajectory_examples(chosen, [], tokenizer, pcfg, max_seq_len, chat_template_kwargs, **options)
         r = trajectory_examples(rejected, [], tokenizer, pcfg, max_seq_len, chat_template_kwargs, **options)
         if c and r:
-            out.append(
-                {
-                    "chosen": [{"input_ids": e.input_ids, "labels": e.labels} for e in c],
-                    "rejected": [{"input_ids": e.input_ids, "labels": e.labels} for e in r],
-                }
-            )
+            out.append(EncodedPair(chosen=tuple(c), rejected=tuple(r)))
     return out
 
 
-def _pair_batch(pairs: list[dict], packed: bool, pad_id: int):
+def _pair_batch(pairs: list[EncodedPair], packed: bool, pad_id: int):
     """One forward's worth of pairs: the collated steps, and per labelled token its trajectory (2k, 2k+1)."""
     import torch
 
@@ -80,15 +81,15 @@ def _pair_batch(pairs: list[dict], packed: bool, pad_id: int):
 
     steps, owner = [], []
     for k, pair in enumerate(pairs):
-        for side, key in enumerate(("chosen", "rejected")):
-            steps += pair[key]
-            owner += [2 * k + side] * len(pair[key])
+        for side, examples in enumerate((pair.chosen, pair.rejected)):
+            steps += examples
+            owner += [2 * k + side] * len(examples)
     batch = collate(steps, packed=packed, pad_id=pad_id)
     return batch, torch.tensor(owner, dtype=torch.long)[batch.segments]
 
 
 def trajectory_logprobs(
-    lm: Any, pairs: list[dict], packed: bool = True, pad_id: int = 0, device: Any = "cpu"
+    lm: Any, pairs: list[EncodedPair], packed: bool = True, pad_id: int = 0, device: Any = "cpu"
 ):
     """``[len(pairs), 2]``: summed action-token log-probs (chosen, rejected) under the ``ActionLM`` ``lm``."""
     import torch
@@ -99,23 +100,24 @@ def trajectory_logprobs(
     return sums.index_add(0, owner.to(logp.device), logp).view(-1, 2)
 
 
-def dpo_stage(worker: Any, job: dict[str, Any]) -> dict[str, Any] | None:
+def dpo_stage(worker: Any, job: DpoJob) -> StageOutput | None:
     """Worker side of a DPO stage: load the BC adapter, reference log-probs, DPO epochs, the saved files."""
     import torch
 
     from hamo_ray.training.stage import StageRun, begin_stage, make_batches
 
     t0 = time.perf_counter()
-    lm, pairs, _ = begin_stage(worker, job)
-    device, packed, pad = worker.device, job["spec"]["packed"], job["pad_id"]
-    lengths = [sum(len(s["input_ids"]) for s in p["chosen"] + p["rejected"]) for p in pairs]
+    stage = job.stage
+    lm, pairs = begin_stage(worker, stage)
+    device, packed, pad = worker.device, stage.spec.packed, stage.pad_id
+    lengths = [p.tokens for p in pairs]
     ref = torch.zeros(len(pairs), 2, device=device)
     lm.eval()
     with torch.no_grad():  # the frozen reference: the behavioural-cloning adapter before any update
-        for idx in make_batches(lengths, job, -1):
+        for idx in make_batches(lengths, stage, -1):
             ref[idx] = trajectory_logprobs(lm, [pairs[i] for i in idx], packed, pad, device).float()
-    run = StageRun(worker, job, lm, lengths, t0)
-    beta = job["beta"]
+    run = StageRun(worker, stage, lm, lengths, t0)
+    beta = job.beta
     accuracy = []
     for _, batches in run.epochs():
         wins, seen = torch.zeros((), device=device), 0
@@ -133,18 +135,17 @@ def dpo_stage(worker: Any, job: dict[str, Any]) -> dict[str, Any] | None:
     out = run.finish()
     if out is None:
         return None
-    out["accuracy"] = [float(x) for x in accuracy]
-    logger.info("dpo: reward accuracy per epoch %s", [round(x, 3) for x in out["accuracy"]])
-    return out
+    result = replace(out.result, accuracy=[float(x) for x in accuracy])
+    logger.info("dpo: reward accuracy per epoch %s", [round(x, 3) for x in result.accuracy])
+    return replace(out, result=result)
 
 
 def train_dpo(
     base_path: str,
     init_adapter: str,
-    pairs: list[dict[str, list[dict]]],
+    pairs: list[EncodedPair],
     out_dir: str | Path,
     tcfg: TrainConfig,
-    storage_path: str | Path | None = None,
     *,
     pad_id: int,
     beta: float | None = None,
@@ -152,7 +153,7 @@ def train_dpo(
     lr: float | None = None,
     seed: int = 0,
     name: str = "dpo",
-    group: Any = None,
+    group: TrainerGroup | None = None,
 ) -> TrainResult:
     """DPO on encoded trajectory pairs, starting from (and referenced to) ``init_adapter``.
 
@@ -162,7 +163,6 @@ def train_dpo(
         pairs: from :func:`encode_pairs`.
         out_dir: where the DPO adapter is written (peft format).
         tcfg: training settings (devices, bf16, strategy, packing; ``dpo_beta``, ``dpo_epochs``).
-        storage_path: unused; kept for callers.
         pad_id: the padding id (padded batches only).
         beta, epochs, lr: override ``tcfg.dpo_beta``, ``tcfg.dpo_epochs``, ``tcfg.lr``.
         seed: shuffling seed.
@@ -179,15 +179,12 @@ def train_dpo(
 
     if not pairs:
         raise ValueError("no DPO pairs")
-    job = stage_job(tcfg, base_path, True, lr=lr, seed=seed, epochs=epochs or tcfg.dpo_epochs)
-    lengths = [sum(len(s["input_ids"]) for s in p["chosen"] + p["rejected"]) for p in pairs]
-    job.update(
-        examples=ray.put(pairs),
-        init_adapter=init_adapter,
-        pad_id=pad_id,
-        beta=beta if beta is not None else tcfg.dpo_beta,
-        pack_tokens=pack_budget(tcfg, lengths, 1),  # one pair per step unless train.pack_tokens says more
-        batch_size=1,
-        name=name,
-    )
-    return run_stage("hamo_ray.training.dpo:dpo_stage", job, tcfg, out_dir, group, name)
+    lengths = [p.tokens for p in pairs]
+    stage = stage_job(
+        tcfg, base_path, ray.put(list(pairs)), out_dir, lengths, lr=lr, epochs=epochs or tcfg.dpo_epochs,
+        seed=seed, pad_id=pad_id, init_adapter=init_adapter, name=name,
+    )  # fmt: skip
+    # one pair per step unless train.pack_tokens says more
+    stage = replace(stage, batch_size=1, pack_tokens=pack_budget(tcfg, lengths, 1))
+    job = DpoJob(stage=stage, beta=beta if beta is not None else tcfg.dpo_beta)
+    return on_group(tcfg, group, name, lambda g: g.train_dpo(job))

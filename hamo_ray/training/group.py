@@ -7,9 +7,14 @@ need not be on a shared file system). The workers form one ``torch.distributed``
 CPU, NCCL on GPU), placed by a placement group (``TrainConfig.placement_strategy``)::
 
     group = TrainerGroup(tcfg)                 # start-up: actors + process group (once)
-    r1 = train_model(base, ex1, out1, tcfg, storage, pad_id=0, group=group)   # loads the model
-    r2 = train_model(base, ex2, out2, tcfg, storage, pad_id=0, group=group, init_adapter=out1)
+    r1 = train_model(base, ex1, out1, tcfg, pad_id=0, group=group)   # loads the model
+    r2 = train_model(base, ex2, out2, tcfg, pad_id=0, group=group, init_adapter=out1)
     group.shutdown()
+
+The group's methods are the losses: ``train_bc(job)`` and ``train_dpo(job)`` send a typed job
+(``contracts.py``) to every worker, which runs the loss's stage function on it (``trainer.bc_stage``,
+``dpo.dpo_stage``); rank 0's files are written to the job's ``out_dir`` and its ``TrainResult``
+returned. A stream keeps one group across its stages in a :class:`KeptGroup`.
 
 A stage whose model spec (base path, LoRA shape, dtype, attention) differs from the loaded one
 reloads it; ZeRO-3 partitions the weights in place, so under ZeRO-3 every stage reloads.
@@ -17,16 +22,18 @@ reloads it; ZeRO-3 partitions the weights in place, so under ZeRO-3 every stage 
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from hamo_ray.config import TrainConfig
+from hamo_ray.training.contracts import DpoJob, ModelSpec, StageJob, StageOutput, TrainResult
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +79,10 @@ class TrainWorker:
 
         return torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")
 
-    def model(self, spec_dict: dict[str, Any], reuse: bool = True) -> tuple[Any, float, bool]:
-        """The loaded ``ActionLM`` for ``spec_dict``: (model, seconds spent loading, whether it loaded)."""
-        from hamo_ray.training.loop import ModelSpec, load_model
+    def model(self, spec: ModelSpec, reuse: bool = True) -> tuple[Any, float, bool]:
+        """The loaded ``ActionLM`` for ``spec``: (model, seconds spent loading, whether it loaded)."""
+        from hamo_ray.training.loop import load_model
 
-        spec = ModelSpec(**{**spec_dict, "target_modules": tuple(spec_dict["target_modules"])})
         if self.lm is not None and reuse and not self.dirty and spec == self.spec:
             return self.lm, 0.0, False
         self.lm = None
@@ -94,11 +100,12 @@ class TrainWorker:
         if self.use_gpu:
             torch.cuda.empty_cache()
 
-    def run(self, fn: str, job: dict[str, Any]) -> dict[str, Any] | None:
-        """Run ``fn`` ("module:function", called as ``fn(worker, job)``); rank 0's result comes back."""
-        module, name = fn.split(":")
+    def run(
+        self, stage: Callable[[TrainWorker, Any], StageOutput | None], job: StageJob | DpoJob
+    ) -> StageOutput | None:
+        """Run one stage, ``stage(self, job)`` (a loss's stage function); rank 0's output comes back."""
         try:
-            out = getattr(importlib.import_module(module), name)(self, job)
+            out = stage(self, job)
         finally:
             self._free()
         return out if self.rank == 0 else None
@@ -119,7 +126,6 @@ class TrainerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         start = time.perf_counter()
-        self.key = self.key_of(tcfg)
         n = tcfg.num_workers
         bundle = {"CPU": tcfg.cpus_per_worker, **({"GPU": 1} if tcfg.use_gpu else {}), **tcfg.resources}
         # Unique per group: streams of one job (a sweep's parallel cells, a cell retried after its
@@ -147,17 +153,32 @@ class TrainerGroup:
         self.startup_s = time.perf_counter() - start
         logger.info("training group: %d workers up in %.1fs", n, self.startup_s)
 
-    @staticmethod
-    def key_of(tcfg: TrainConfig) -> tuple:
-        """What a group is built for; a config with another key needs another group."""
-        resources = tuple(sorted(tcfg.resources.items()))
-        return (tcfg.num_workers, tcfg.use_gpu, tcfg.cpus_per_worker, tcfg.placement_strategy, resources)
+    def train_bc(self, job: StageJob) -> TrainResult:
+        """A behavioural-cloning stage (``trainer.bc_stage``) on every worker; the weights in ``job.out_dir``."""
+        from hamo_ray.training.trainer import bc_stage
 
-    def run(self, fn: str, job: dict[str, Any]) -> dict[str, Any]:
-        """Run ``fn(worker, job)`` on every worker; rank 0's result (large values: ``ray.put`` refs)."""
+        return self._run(bc_stage, job, job.out_dir)
+
+    def train_dpo(self, job: DpoJob) -> TrainResult:
+        """A DPO stage (``dpo.dpo_stage``) on every worker; the weights in ``job.stage.out_dir``."""
+        from hamo_ray.training.dpo import dpo_stage
+
+        return self._run(dpo_stage, job, job.stage.out_dir)
+
+    def _run(self, stage: Callable, job: StageJob | DpoJob, out_dir: str) -> TrainResult:
+        """Run ``stage(worker, job)`` on every worker, write rank 0's files to ``out_dir``.
+
+        Returns:
+            Rank 0's ``TrainResult`` with its ``path``; ``startup_s`` is this call's wall time outside
+            the training loop.
+        """
         import ray
 
-        return ray.get([w.run.remote(fn, job) for w in self.workers])[0]
+        wall = time.perf_counter()
+        out: StageOutput = ray.get([w.run.remote(stage, job) for w in self.workers])[0]
+        path = write_files(out.files, out_dir)
+        seconds = out.result.seconds
+        return replace(out.result, path=str(path), startup_s=max(0.0, time.perf_counter() - wall - seconds))
 
     def shutdown(self) -> None:
         """Stop the workers and free their resources (idempotent)."""
@@ -196,26 +217,33 @@ def read_files(folder: str | Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir()) if p.is_file()}
 
 
-def group_for(holder: Any, tcfg: TrainConfig) -> TrainerGroup | None:
-    """The group kept on ``holder`` (a stream), started on first use; None without ``keep_workers``.
+class KeptGroup:
+    """The training group an owner (a stream) keeps across its stages: started on first use, closed by it.
 
-    A config whose workers differ from the kept group's (count, GPU, CPUs, placement) replaces it.
+    ``get()`` is None without ``train.keep_workers`` (every stage then starts a group of its own)::
+
+        kept = KeptGroup(cfg.train)
+        try:
+            train_model(..., group=kept.get())      # the first call starts the workers
+            train_model(..., group=kept.get())      # the same workers, the base model still loaded
+        finally:
+            kept.close()
     """
-    if not tcfg.keep_workers:
-        return None
-    group = getattr(holder, "_train_group", None)
-    if group is not None and group.key != TrainerGroup.key_of(tcfg):
-        shutdown_group(holder)
-        group = None
-    if group is None:
-        group = TrainerGroup(tcfg)
-        holder._train_group = group
-    return group
 
+    def __init__(self, tcfg: TrainConfig) -> None:
+        self.tcfg = tcfg
+        self.group: TrainerGroup | None = None
 
-def shutdown_group(holder: Any) -> None:
-    """Stop the group kept on ``holder``, if any (for ``finally:`` blocks)."""
-    group = getattr(holder, "_train_group", None)
-    if group is not None:
-        holder._train_group = None
-        group.shutdown()
+    def get(self) -> TrainerGroup | None:
+        """The kept group, started on first use; None without ``keep_workers``."""
+        if not self.tcfg.keep_workers:
+            return None
+        if self.group is None:
+            self.group = TrainerGroup(self.tcfg)
+        return self.group
+
+    def close(self) -> None:
+        """Stop the group, if one was started (idempotent; for ``finally:`` blocks)."""
+        group, self.group = self.group, None
+        if group is not None:
+            group.shutdown()

@@ -6,12 +6,13 @@ parts, run by the same long-lived workers (``group.py``)::
     spec = ModelSpec.from_config(tcfg, base_path)          # what to load (LoRA, dtype, attention)
     lm = load_model(spec, device)                           # an ActionLM: peft model + action head
     lm.reset_adapter(init_adapter=prev, seed=0)             # a new stage: LoRA weights only
-    stepper = Stepper(lm, tcfg_dict, total_steps, device)   # DDP or DeepSpeed, AdamW, schedule
+    stepper = Stepper(lm, step_config, total_steps, device) # DDP or DeepSpeed, AdamW, schedule
     logp = stepper.model(**batch.model_inputs(device))      # log-probs of the labelled tokens
     stepper.step(-logp.mean())
 
 A stage on a worker (both losses) runs these parts through ``stage.py`` (``begin_stage``,
-``StageRun``: the epochs, per-step figures, progress lines and the saved files).
+``StageRun``: the epochs, per-step figures, progress lines and the saved files). ``ModelSpec`` and
+``StepConfig`` travel to the workers inside the stage's job; they are defined in ``contracts.py``.
 
 :class:`ActionLM` runs the decoder and applies the LM head only at the positions whose next token
 is labelled (gathered with indices computed on the host), so the ``tokens x vocabulary`` logits
@@ -24,48 +25,14 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hamo_ray.training.contracts import ModelSpec, StepConfig
+
+__all__ = ["ModelSpec", "StepConfig", "Stepper", "load_model", "rank_share"]
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What a worker loads; two stages with equal specs share the loaded base model."""
-
-    base_path: str
-    lora: bool = True
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    target_modules: tuple[str, ...] = ()
-    bf16: bool = False
-    gradient_checkpointing: bool = False
-    packed: bool = True
-    liger: bool = False
-
-    @classmethod
-    def from_config(cls, tcfg: Any, base_path: str, lora: bool = True) -> ModelSpec:
-        """The spec of ``base_path`` under a ``TrainConfig``."""
-        from hamo_ray.training.deepspeed import use_bf16
-
-        return cls(
-            base_path=str(base_path),
-            lora=lora,
-            lora_r=tcfg.lora_r,
-            lora_alpha=tcfg.lora_alpha,
-            lora_dropout=tcfg.lora_dropout,
-            target_modules=tuple(tcfg.target_modules),
-            bf16=use_bf16(tcfg),
-            gradient_checkpointing=tcfg.gradient_checkpointing,
-            packed=tcfg.packing,
-            liger=tcfg.liger and tcfg.use_gpu,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _action_lm_class():
@@ -248,17 +215,6 @@ def _master_weights():
             self.inner.zero_grad(set_to_none=set_to_none)
 
     return MasterAdamW
-
-
-@dataclass
-class StepConfig:
-    """The optimisation settings of one stage (from ``TrainConfig`` and the call's overrides)."""
-
-    strategy: str = "ddp"  # "ddp" or "deepspeed"
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    grad_accum_steps: int = 1
-    ds_config: dict[str, Any] = field(default_factory=dict)
 
 
 class Stepper:

@@ -2,12 +2,14 @@
 
 ``trainer.bc_stage`` and ``dpo.dpo_stage`` differ only in their loss; the rest is here::
 
-    lm, examples, load_s = begin_stage(worker, job)     # examples, the loaded model, the stage's adapter
+    lm, examples = begin_stage(worker, job)             # examples, the loaded model, the stage's adapter
     run = StageRun(worker, job, lm, lengths, t0)        # the Stepper (loop.py); lm in train mode
     for epoch, batches in run.epochs():                 # this rank's batches, timed
         for idx in batches:
             run.step(loss, tokens, positions)           # optimizer step + per-step record
-    out = run.finish()                                  # rank 0: saved files and figures; else None
+    out = run.finish()                                  # rank 0: a StageOutput (files, figures); else None
+
+``job`` is the :class:`~hamo_ray.training.contracts.StageJob` the driver sent (DPO: its ``stage``).
 
 Every optimizer step's loss, learning rate and tokens/s are recorded (:class:`StepRecord`); rank 0
 returns them with its result (``TrainResult.step_metrics``), and the stream writes them to
@@ -27,70 +29,71 @@ import time
 from typing import Any
 
 from hamo_ray.logs import Progress
-from hamo_ray.training.loop import StepConfig, Stepper, rank_share
+from hamo_ray.training.contracts import StageJob, StageOutput, TrainResult
+from hamo_ray.training.loop import Stepper, rank_share
 
 logger = logging.getLogger(__name__)
 
 
-def make_batches(lengths: list[int], job: dict[str, Any], epoch: int) -> list[list[int]]:
+def make_batches(lengths: list[int], job: StageJob, epoch: int) -> list[list[int]]:
     """The epoch's micro-batches of example indices: packed to the token budget, or length-bucketed."""
     from hamo_ray.training.examples import length_bucketed_batches
     from hamo_ray.training.packing import pack_batches
 
-    if job["spec"]["packed"]:
-        return pack_batches(lengths, job["pack_tokens"], job["seed"], epoch, job["bucket_pool"])
-    return length_bucketed_batches(lengths, job["batch_size"], job["seed"], epoch, job["bucket_pool"])
+    if job.spec.packed:
+        return pack_batches(lengths, job.pack_tokens, job.seed, epoch, job.bucket_pool)
+    return length_bucketed_batches(lengths, job.batch_size, job.seed, epoch, job.bucket_pool)
 
 
-def begin_stage(worker: Any, job: dict[str, Any]) -> tuple[Any, list[Any], float]:
+def begin_stage(worker: Any, job: StageJob) -> tuple[Any, list[Any]]:
     """Worker side, first part of a stage: the job's examples, the loaded model, the stage's adapter.
 
     Returns:
-        ``(lm, examples, seconds spent loading the model)``.
+        ``(lm, examples)``.
 
     Raises:
         RuntimeError: full-model training (``lora=False``) on a model that was not freshly loaded.
     """
     import ray
 
-    examples = job["examples"]
+    examples = job.examples
     if isinstance(examples, ray.ObjectRef):
         examples = ray.get(examples)
-    lm, load_s, loaded = worker.model(job["spec"], reuse=job["reuse"])
-    if job["spec"]["lora"]:
-        lm.reset_adapter(job.get("init_adapter"), seed=job["seed"])
+    lm, _, loaded = worker.model(job.spec, reuse=job.reuse)
+    if job.spec.lora:
+        lm.reset_adapter(job.init_adapter, seed=job.seed)
     elif not loaded:
         raise RuntimeError("full-model training needs a freshly loaded model")
-    worker.dirty = not job["reuse"]  # the next stage reloads weights this stage changes in place
-    return lm, examples, load_s
+    worker.dirty = not job.reuse  # the next stage reloads weights this stage changes in place
+    return lm, examples
 
 
 class StageRun:
     """Worker side, training part of a stage (behavioural cloning and DPO alike)::
 
-        lm, examples, load_s = begin_stage(worker, job)
+        lm, examples = begin_stage(worker, job)
         run = StageRun(worker, job, lm, lengths, t0)      # the Stepper; lm in train mode
         for epoch, batches in run.epochs():               # this rank's batches, timed
             for idx in batches:
                 run.step(loss, tokens, positions)         # optimizer step + per-step record
-        out = run.finish()                                # rank 0: saved files and figures; else None
+        out = run.finish()                                # rank 0: a StageOutput; else None
 
     Args:
         worker: the ``TrainWorker``.
-        job: the stage's settings (``trainer.stage_job`` plus the examples).
+        job: the stage's job (``trainer.stage_job``).
         lm: the ``ActionLM`` from :func:`begin_stage`.
         lengths: each example's token count (for batching).
         t0: when the stage began on this worker (``time.perf_counter()``), for ``startup_s``.
     """
 
-    def __init__(self, worker: Any, job: dict[str, Any], lm: Any, lengths: list[int], t0: float) -> None:
+    def __init__(self, worker: Any, job: StageJob, lm: Any, lengths: list[int], t0: float) -> None:
         self.worker, self.job, self.lm, self.lengths = worker, job, lm, lengths
         per_rank = len(rank_share(make_batches(lengths, job, 0), worker.rank, worker.world))
-        total = per_rank * job["epochs"]
-        self.stepper = Stepper(lm, StepConfig(**job["step"]), total, worker.device)
+        total = per_rank * job.epochs
+        self.stepper = Stepper(lm, job.step, total, worker.device)
         lm.train()
         self.startup = time.perf_counter() - t0
-        self.record = StepRecord(total, job.get("name", "train"), worker.rank, worker.world)
+        self.record = StepRecord(total, job.name, worker.rank, worker.world)
         self.tokens = self.positions = 0
         self.seconds = 0.0
 
@@ -103,7 +106,7 @@ class StageRun:
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.synchronize()
         self.record.begin()
-        for epoch in range(self.job["epochs"]):
+        for epoch in range(self.job.epochs):
             yield (
                 epoch,
                 rank_share(make_batches(self.lengths, self.job, epoch), self.worker.rank, self.worker.world),
@@ -120,7 +123,7 @@ class StageRun:
         self.record.step(loss, lr, tokens)
         self.tokens, self.positions = self.tokens + tokens, self.positions + positions
 
-    def finish(self) -> dict[str, Any] | None:
+    def finish(self) -> StageOutput | None:
         """Gather the trained weights (collective), free the engine; rank 0 returns files and figures."""
         import tempfile
 
@@ -137,24 +140,26 @@ class StageRun:
         if worker.rank != 0:
             return None
         logger.info(
-            "%s: %d steps in %.1fs, losses %s", self.job.get("name", "train"), len(rows), self.seconds,
+            "%s: %d steps in %.1fs, losses %s", self.job.name, len(rows), self.seconds,
             [round(x, 4) for x in losses],
         )  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
             self.lm.save(tmp, state)
             files = read_files(tmp)
         cuda = worker.device.type == "cuda"
-        return {
-            "files": files,
-            "losses": losses,
-            "step_metrics": rows,
-            "tokens": self.tokens * worker.world,
-            "padding": 1 - self.tokens / max(1, self.positions) if self.positions else 0.0,
-            "seconds": self.seconds,
-            "startup_s": self.startup,
-            "steps": len(rows),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-        }
+        result = TrainResult(
+            path="",  # the driver writes the files
+            loss=losses[-1],
+            losses=losses,
+            tokens=self.tokens * worker.world,
+            seconds=self.seconds,
+            padding=1 - self.tokens / max(1, self.positions) if self.positions else 0.0,
+            startup_s=self.startup,
+            steps=len(rows),
+            peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+            step_metrics=rows,
+        )
+        return StageOutput(files=files, result=result)
 
 
 class StepRecord:

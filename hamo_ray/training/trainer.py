@@ -2,8 +2,9 @@
 
 ``train_model`` trains on tokenised examples and writes the result in Hugging Face / peft format.
 The work runs on a :class:`~hamo_ray.training.group.TrainerGroup` (Ray actors with their own
-process group); pass ``group=`` to keep the workers and the loaded base model across stages, or
-leave it out for a group that lives for this call only. The parts (model loading, packing, the
+process group) as ``group.train_bc(job)``: a :class:`~hamo_ray.training.contracts.StageJob` in, a
+``TrainResult`` out (``contracts.py``); pass ``group=`` to keep the workers and the loaded base model
+across stages, or leave it out for a group that lives for this call only. The parts (model loading, packing, the
 step, the epochs with their per-step figures) are in ``loop.py``, ``packing.py`` and ``stage.py``;
 ETO's DPO (``dpo.py``) uses the same ones.
 
@@ -18,7 +19,7 @@ ETO's DPO (``dpo.py``) uses the same ones.
 
 ::
 
-    result = train_model(base_path, examples, out_dir, tcfg, storage_path, pad_id=0, init_adapter=prev)
+    result = train_model(base_path, examples, out_dir, tcfg, pad_id=0, init_adapter=prev)
     # out_dir now holds adapter_config.json + adapter_model.safetensors (peft format)
 
 The adapter of stage t starts from the adapter of stage t-1 (``init_adapter``); the backbone stays
@@ -31,30 +32,21 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hamo_ray.config import TrainConfig
+from hamo_ray.training.contracts import StageJob, StageOutput, StepConfig, TrainResult
 from hamo_ray.training.examples import Example
 
+if TYPE_CHECKING:
+    from hamo_ray.training.group import TrainerGroup
+
+__all__ = ["TrainResult", "bc_stage", "pack_budget", "resolve_strategy", "stage_job", "train_model"]
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    path: str
-    loss: float  # mean loss of the last epoch
-    losses: list[float]  # mean loss per epoch
-    tokens: int  # trained (non-padding) tokens over all epochs
-    seconds: float  # the training loop (steps only)
-    padding: float  # fraction of padded positions
-    startup_s: float = 0.0  # this stage's set-up before its first step (workers, model, adapter, engine)
-    steps: int = 0  # optimizer micro-steps per rank over all epochs
-    accuracy: list[float] | None = None  # DPO: share of pairs whose margin is positive, per epoch
-    peak_gib: float = 0.0  # rank 0's peak GPU memory in the stage (0 on CPU)
-    # one row per optimizer step (rank 0): loss, lr, tokens_per_s (all ranks' tokens / rank 0's step time)
-    step_metrics: list[dict[str, float]] = field(default_factory=list)
 
 
 def resolve_strategy(tcfg: TrainConfig, strategy: str | None = None) -> str:
@@ -79,35 +71,65 @@ def pack_budget(tcfg: TrainConfig, lengths: list[int], batch_size: int) -> int:
     return max(max(lengths, default=1), math.ceil(batch_size * mean))
 
 
-def stage_job(tcfg: TrainConfig, base_path: str, lora: bool, **overrides: Any) -> dict[str, Any]:
-    """The settings a worker needs for one stage (model spec, optimisation, batching)."""
-    from dataclasses import asdict
+def stage_job(
+    tcfg: TrainConfig,
+    base_path: str,
+    examples: Any,
+    out_dir: str | Path,
+    lengths: Sequence[int],
+    *,
+    lora: bool = True,
+    strategy: str | None = None,
+    batch_size: int | None = None,
+    lr: float | None = None,
+    epochs: int | None = None,
+    seed: int = 0,
+    pad_id: int = 0,
+    init_adapter: str | None = None,
+    name: str = "train",
+) -> StageJob:
+    """The job every worker runs for one stage (model spec, optimisation, batching, the data).
 
+    Args:
+        tcfg: training settings.
+        base_path: the frozen backbone.
+        examples: the rows, or a ``ray.ObjectRef`` of them (see ``StageJob``).
+        out_dir: where the driver writes the weights.
+        lengths: each row's token count (the packing budget's mean length).
+        lora, strategy, batch_size, lr, epochs: as :func:`train_model`; None: ``tcfg``'s.
+        seed, pad_id, init_adapter, name: the job's fields.
+    """
+    from hamo_ray.training.contracts import ModelSpec
     from hamo_ray.training.deepspeed import deepspeed_config
-    from hamo_ray.training.loop import ModelSpec, StepConfig
 
-    strategy = resolve_strategy(tcfg, overrides.get("strategy"))
-    micro = overrides.get("batch_size") or tcfg.batch_size
+    strategy = resolve_strategy(tcfg, strategy)
+    micro = batch_size or tcfg.batch_size
     step = StepConfig(
         strategy=strategy,
-        lr=overrides.get("lr") or tcfg.lr,
+        lr=lr or tcfg.lr,
         weight_decay=tcfg.weight_decay,
         grad_accum_steps=tcfg.grad_accum_steps,
         ds_config=deepspeed_config(tcfg, tcfg.num_workers, micro if not tcfg.packing else 1),
     )
-    return {
-        "spec": ModelSpec.from_config(tcfg, base_path, lora=lora).to_dict(),
-        "step": asdict(step),
-        "batch_size": micro,
-        "bucket_pool": tcfg.bucket_pool,
-        "seed": overrides.get("seed", 0),
-        "epochs": overrides.get("epochs") or tcfg.epochs,
+    return StageJob(
+        spec=ModelSpec.from_config(tcfg, base_path, lora=lora),
+        step=step,
+        examples=examples,
+        out_dir=str(out_dir),
+        batch_size=micro,
+        pack_tokens=pack_budget(tcfg, list(lengths), micro),
+        bucket_pool=tcfg.bucket_pool,
+        epochs=epochs or tcfg.epochs,
+        seed=seed,
+        pad_id=pad_id,
+        init_adapter=init_adapter,
         # ZeRO-3 partitions the loaded weights in place, full training changes them: reload next time.
-        "reuse": lora and not (strategy == "deepspeed" and tcfg.zero_stage == 3),
-    }
+        reuse=lora and not (strategy == "deepspeed" and tcfg.zero_stage == 3),
+        name=name,
+    )
 
 
-def bc_stage(worker: Any, job: dict[str, Any]) -> dict[str, Any] | None:
+def bc_stage(worker: Any, job: StageJob) -> StageOutput | None:
     """Worker side of a behavioural-cloning stage: reset the adapter, train, return the saved files."""
     import torch
 
@@ -115,61 +137,39 @@ def bc_stage(worker: Any, job: dict[str, Any]) -> dict[str, Any] | None:
     from hamo_ray.training.stage import StageRun, begin_stage
 
     t0 = time.perf_counter()
-    lm, examples, load_s = begin_stage(worker, job)
-    run = StageRun(worker, job, lm, [len(e["input_ids"]) for e in examples], t0)
-    torch.manual_seed(job["seed"])
-    device, packed = worker.device, job["spec"]["packed"]
+    lm, examples = begin_stage(worker, job)
+    run = StageRun(worker, job, lm, [len(e.input_ids) for e in examples], t0)
+    torch.manual_seed(job.seed)
+    device, packed = worker.device, job.spec.packed
     for _, batches in run.epochs():
         for idx in batches:
-            batch = collate([examples[i] for i in idx], packed=packed, pad_id=job["pad_id"])
+            batch = collate([examples[i] for i in idx], packed=packed, pad_id=job.pad_id)
             logp = run.stepper.model(**batch.model_inputs(device))
             loss = -logp.mean() if batch.targets.numel() else logp.sum() * 0.0
             run.step(loss, batch.tokens, batch.positions)
-    out = run.finish()
-    return None if out is None else {**out, "load_s": load_s}
+    return run.finish()
 
 
-def run_stage(
-    fn: str, job: dict[str, Any], tcfg: TrainConfig, out_dir: str | Path, group: Any, name: str
+def on_group(
+    tcfg: TrainConfig, group: TrainerGroup | None, name: str, train: Callable[[TrainerGroup], TrainResult]
 ) -> TrainResult:
-    """Driver side of a stage: run ``fn`` on the group (or a group for this call), write the files.
-
-    Args:
-        fn: the worker function, ``"module:function"`` (``bc_stage``, ``dpo_stage``).
-        job: the stage's settings, examples included.
-        tcfg: training settings (the group's size and resources).
-        out_dir: where the weights are written.
-        group: a running ``TrainerGroup`` (kept after); None: one for this call only.
-        name: the run's name in the logs.
+    """Run ``train(group)`` on ``group``, or on a group for this call only (stopped after).
 
     Returns:
-        The ``TrainResult``; ``startup_s`` is the call's wall time outside the training loop.
+        Its ``TrainResult``, ``startup_s`` the call's wall time outside the training loop.
     """
-    from hamo_ray.training.group import TrainerGroup, write_files
+    from hamo_ray.training.group import TrainerGroup
 
     wall = time.perf_counter()
     own = group is None
     if own:
         group = TrainerGroup(tcfg, name=f"{name}-group")
     try:
-        m = group.run(fn, job)
+        result = train(group)
     finally:
         if own:
             group.shutdown()
-    out = write_files(m["files"], out_dir)
-    return TrainResult(
-        path=str(out),
-        loss=m["losses"][-1],
-        losses=m["losses"],
-        tokens=m["tokens"],
-        seconds=m["seconds"],
-        padding=m["padding"],
-        startup_s=max(0.0, time.perf_counter() - wall - m["seconds"]),
-        steps=m["steps"],
-        peak_gib=m["peak_gib"],
-        step_metrics=m["step_metrics"],
-        accuracy=m.get("accuracy"),
-    )
+    return replace(result, startup_s=max(0.0, time.perf_counter() - wall - result.seconds))
 
 
 def train_model(
@@ -177,7 +177,6 @@ def train_model(
     examples: list[Example],
     out_dir: str | Path,
     tcfg: TrainConfig,
-    storage_path: str | Path | None = None,
     *,
     pad_id: int,
     init_adapter: str | None = None,
@@ -188,7 +187,7 @@ def train_model(
     seed: int = 0,
     name: str = "train",
     strategy: str | None = None,
-    group: Any = None,
+    group: TrainerGroup | None = None,
 ) -> TrainResult:
     """Train on ``examples`` and write the weights to ``out_dir``.
 
@@ -197,7 +196,6 @@ def train_model(
         examples: tokenised behavioural-cloning examples.
         out_dir: where the adapter (or, with ``lora=False``, the full model) is written.
         tcfg: training settings (LoRA rank/alpha, lr, epochs, workers, packing).
-        storage_path: unused (the workers return the weights through Ray); kept for callers.
         pad_id: the tokenizer's padding id (padded batches only).
         init_adapter: start from this adapter folder (the previous stage's) instead of a fresh LoRA.
         lora: train a LoRA adapter (True) or every parameter (False).
@@ -218,18 +216,13 @@ def train_model(
 
     if not examples:
         raise ValueError("no training examples")
+    rows = list(examples)
     job = stage_job(
-        tcfg, base_path, lora, strategy=strategy, batch_size=batch_size, lr=lr, seed=seed, epochs=epochs
-    )
-    rows = [{"input_ids": e.input_ids, "labels": e.labels} for e in examples]
-    job.update(
-        examples=ray.put(rows),
-        init_adapter=init_adapter,
-        pad_id=pad_id,
-        pack_tokens=pack_budget(tcfg, [len(r["input_ids"]) for r in rows], job["batch_size"]),
-        name=f"train {name}",
-    )
+        tcfg, base_path, ray.put(rows), out_dir, [len(e.input_ids) for e in rows], lora=lora,
+        strategy=strategy, batch_size=batch_size, lr=lr, epochs=epochs, seed=seed, pad_id=pad_id,
+        init_adapter=init_adapter, name=f"train {name}",
+    )  # fmt: skip
     logger.info(
-        "train %s: %s on %d workers, %d examples", name, job["step"]["strategy"], tcfg.num_workers, len(rows)
+        "train %s: %s on %d workers, %d examples", name, job.step.strategy, tcfg.num_workers, len(rows)
     )
-    return run_stage("hamo_ray.training.trainer:bc_stage", job, tcfg, out_dir, group, name)
+    return on_group(tcfg, group, name, lambda g: g.train_bc(job))

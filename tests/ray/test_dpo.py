@@ -6,6 +6,7 @@ pytest tests/ray/test_dpo.py -q
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -108,7 +109,5 @@ def test_packed_and_padded_trajectory_logprobs_agree(tmp_path):
     spec = ModelSpec.from_config(TrainConfig(), str(base))
     with torch.no_grad():
         packed = trajectory_logprobs(load_model(spec).eval(), encoded, packed=True)
-        padded = trajectory_logprobs(
-            load_model(spec.__class__(**{**spec.to_dict(), "packed": False})).eval(), encoded, packed=False
-        )
+        padded = trajectory_logprobs(load_model(replace(spec, packed=False)).eval(), encoded, packed=False)
     assert torch.allclose(packed, padded, atol=1e-4)

@@ -48,7 +48,7 @@ def test_eto_stream_trains_dpo_on_kept_workers(ray_session, tmp_path, caplog):
     assert any(not m.startswith("eto: 0 ") for m in pairs), pairs  # DPO trained at least once
     for stage in (1, 2):
         assert (tmp_path / "e" / "adapters" / f"stage-{stage}" / "adapter_model.safetensors").exists()
-    assert getattr(stream, "_train_group", None) is None  # the kept workers were stopped with the run
+    assert stream.train_group.group is None  # the kept workers were stopped with the run
     # Per-step figures of both losses in the run's TensorBoard events, each counted on across stages.
     from hamo_ray.tracking import read_scalars
 

@@ -69,7 +69,6 @@ def _train(backbone, tmp_path, tcfg: TrainConfig, name: str):
         _examples(),
         tmp_path / name,
         tcfg,
-        tmp_path / "storage",
         pad_id=0,
         epochs=1,
         lr=5e-3,
@@ -100,19 +99,17 @@ def test_gradient_checkpointing_is_compatible_with_lora(backbone):
 def test_workers_live_across_stages(ray_session, backbone, tmp_path):
     """One group, three stages: the model loads once, later stages start in seconds and chain adapters.
 
-    The group is kept on a holder as the stream keeps it (``group_for``); another worker count replaces it.
+    The group is kept as the stream keeps it (``KeptGroup``: started on first use, closed by its owner).
     """
-    from types import SimpleNamespace
-
-    from hamo_ray.training.group import group_for, shutdown_group
+    from hamo_ray.training.group import KeptGroup
     from hamo_ray.training.trainer import train_model
 
     tcfg = TrainConfig(lora_r=8, lora_alpha=16, target_modules=TARGETS, batch_size=4)
-    holder = SimpleNamespace()
-    assert group_for(holder, tcfg.model_copy(update={"keep_workers": False})) is None
-    group = group_for(holder, tcfg)
+    assert KeptGroup(tcfg.model_copy(update={"keep_workers": False})).get() is None
+    kept = KeptGroup(tcfg)
+    group = kept.get()
     try:
-        assert group_for(holder, tcfg) is group
+        assert kept.get() is group
         results, prev = [], None
         for stage in range(3):
             r = train_model(
@@ -129,16 +126,15 @@ def test_workers_live_across_stages(ray_session, backbone, tmp_path):
             )
             results.append(r)
             prev = r.path
-        other = SimpleNamespace()  # another stream of the same job (a sweep's parallel cell): its own group
+        other = KeptGroup(tcfg)  # another stream of the same job (a sweep's parallel cell): its own group
         try:
-            assert group_for(other, tcfg) is not group and len(other._train_group.workers) == 1
+            assert other.get() is not group and len(other.group.workers) == 1
         finally:
-            shutdown_group(other)
-        two = group_for(holder, tcfg.model_copy(update={"num_workers": 2}))
-        assert two is not group and not group.workers and len(two.workers) == 2
+            other.close()
+        assert other.group is None and group.workers  # closing one owner's group leaves the other's
     finally:
-        shutdown_group(holder)
-    assert holder._train_group is None
+        kept.close()
+    assert kept.group is None and not group.workers
     assert all(r.tokens > 0 and r.padding == 0.0 and r.steps > 0 for r in results)
     assert all(r.startup_s < 5.0 for r in results[1:]), [r.startup_s for r in results]
     _check_adapter(backbone, results[-1].path)

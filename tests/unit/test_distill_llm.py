@@ -191,10 +191,10 @@ def test_bad_rows_are_rejected_with_a_reason():
 
 
 def test_stage_distil_binds_the_policy_endpoint_and_counts_fallbacks(monkeypatch):
-    """steps.distil: 'policy' becomes the run's endpoint (base model); the report's fallbacks are counted."""
+    """stage.distil: 'policy' becomes the run's endpoint (base model); the report's fallbacks are counted."""
     from types import SimpleNamespace
 
-    from hamo_ray import steps
+    from hamo_ray import stage
     from hamo_ray.config import load_config
     from hamo_ray.memory.pipeline import WriteReport
 
@@ -204,11 +204,11 @@ def test_stage_distil_binds_the_policy_endpoint_and_counts_fallbacks(monkeypatch
         seen["mcfg"] = mcfg
         return WriteReport(added=3, seen=3, sources={"llm": 2, "fallback": 1})
 
-    monkeypatch.setattr(steps, "add_stage_cards", fake_add)
+    monkeypatch.setattr(stage, "add_stage_cards", fake_add)
     cfg = load_config("jobs/configs/tiny.yaml", ["memory.distiller=llm", "memory.llm_base_url=policy"])
     folder = SimpleNamespace(store=lambda cfg: "store")
     endpoint = SimpleNamespace(base_url="http://127.0.0.1:8123", api_key="k")
-    store, figures = steps.distil(cfg, folder, 1, [], endpoint)
+    store, figures = stage.distil(cfg, folder, 1, [], endpoint)
     assert store == "store" and figures == {
         "cards_added": 3, "rejected": 0, "llm_outlines": 2, "fallback_outlines": 1
     }  # fmt: skip
@@ -217,6 +217,6 @@ def test_stage_distil_binds_the_policy_endpoint_and_counts_fallbacks(monkeypatch
     )
     assert seen["mcfg"].llm_api_key == "k"
     with pytest.raises(ValueError, match="policy"):
-        steps.distil(cfg, folder, 1, [], None)
+        stage.distil(cfg, folder, 1, [], None)
     base = load_config("jobs/configs/tiny.yaml", ["method.name=base"])
-    assert steps.distil(base, folder, 1, [], endpoint) == (None, {})
+    assert stage.distil(base, folder, 1, [], endpoint) == (None, {})

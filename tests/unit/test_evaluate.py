@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hamo_ray.rollout.client import PolicySpec
-from hamo_ray.steps import evaluate
+from hamo_ray.stage import evaluate
 from hamo_ray.types import TaskSpec, Trajectory
 
 

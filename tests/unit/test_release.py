@@ -7,8 +7,8 @@ import pytest
 from hamo_ray.config import load_config
 from hamo_ray.memory import release_internalised
 from hamo_ray.run_folder import RunFolder
+from hamo_ray.stage import StageContext, release
 from hamo_ray.steps import SEED_PURPOSES, stage_seed
-from hamo_ray.stream import Stream
 from hamo_ray.tracking import stage_scalars
 from hamo_ray.types import StageResult, TaskSpec, Trajectory
 
@@ -115,7 +115,7 @@ def test_release_seed_is_its_own_purpose():
     assert stage_seed(0, 2, "release") not in others
 
 
-# -- Stream._release with a fake endpoint, pool and run folder --------------------------------------
+# -- stage.release with a fake endpoint, pool and run folder ------------------------------------------
 
 
 class FakeEndpoint:
@@ -150,26 +150,28 @@ class FakeFolder:
         return self.trajectories.get(stage)
 
 
-def _stream(tmp_path, scores, trajectories):
-    stream = Stream.__new__(Stream)  # no validation, no Ray: only what _release uses
-    stream.cfg = load_config("jobs/configs/tiny.yaml", [f"run.root={tmp_path}", "method.name=hamo_release"])
-    stream.endpoint, runs = FakeEndpoint(), []
-    stream._pool = lambda domain: FakePool(domain, scores, runs)
-    stream.folder = FakeFolder(trajectories)
-    return stream, runs
+def _context(tmp_path, scores, trajectories):
+    runs = []  # no validation, no Ray: only what release uses
+    ctx = StageContext(
+        cfg=load_config("jobs/configs/tiny.yaml", [f"run.root={tmp_path}", "method.name=hamo_release"]),
+        folder=FakeFolder(trajectories),
+        pools=lambda domain: FakePool(domain, scores, runs),
+        endpoint=FakeEndpoint(),
+    )
+    return ctx, runs
 
 
-def test_stream_release_replays_without_cards_and_follows_up_the_previous_stage(tmp_path):
+def test_release_replays_without_cards_and_follows_up_the_previous_stage(tmp_path):
     earlier = [_traj(_task(10 + i), source="expert") for i in range(3)]
     anchors = _anchors(3)
     prev = _result(1, released=[earlier[0].card_id, earlier[1].card_id])  # earlier[2] was not released
     scores = {anchors[1].task.id: 40.0, anchors[2].task.id: None, earlier[1].task.id: 30.0}
-    stream, runs = _stream(tmp_path, scores, {1: earlier})
+    ctx, runs = _context(tmp_path, scores, {1: earlier})
     store = FakeStore()
-    ids, figures = stream._release(2, "scienceworld", anchors, store, "stage-2", [_result(0), prev])
+    ids, figures = release(ctx, 2, "scienceworld", anchors, store, "stage-2", [_result(0), prev])
 
-    seed = stage_seed(stream.cfg.run.seed, 2, "release")
-    assert stream.endpoint.calls == [("stage-2", {"seed": seed, "retrieval": False})]  # no cards at all
+    seed = stage_seed(ctx.cfg.run.seed, 2, "release")
+    assert ctx.endpoint.calls == [("stage-2", {"seed": seed, "retrieval": False})]  # no cards at all
     # one rollout: the anchors' tasks, then the previous stage's released ones (earlier[2] is not replayed)
     replayed = [a.task.id for a in anchors] + [earlier[0].task.id, earlier[1].task.id]
     assert runs == [("scienceworld", replayed, "spec:stage-2")]
@@ -180,16 +182,16 @@ def test_stream_release_replays_without_cards_and_follows_up_the_previous_stage(
     }  # fmt: skip
 
 
-def test_stream_release_first_stage_and_cross_domain_follow_up(tmp_path):
+def test_release_first_stage_and_cross_domain_follow_up(tmp_path):
     anchors = _anchors(2, "alfworld")
-    stream, runs = _stream(tmp_path, {}, {})
-    ids, figures = stream._release(1, "alfworld", anchors, FakeStore(), "stage-1", [])
+    ctx, runs = _context(tmp_path, {}, {})
+    ids, figures = release(ctx, 1, "alfworld", anchors, FakeStore(), "stage-1", [])
     assert len(ids) == 2 and figures["followup_checked"] == 0.0 and len(runs) == 1  # nothing to follow up
 
     earlier = _anchors(2)  # stage 1 was ScienceWorld: its tasks go to that domain's pool
-    stream, runs = _stream(tmp_path, {}, {1: earlier})
+    ctx, runs = _context(tmp_path, {}, {1: earlier})
     prev = _result(1, released=[t.card_id for t in earlier])
-    ids, figures = stream._release(2, "alfworld", anchors, FakeStore(), "stage-2", [prev])
+    ids, figures = release(ctx, 2, "alfworld", anchors, FakeStore(), "stage-2", [prev])
     assert sorted((d, len(tids)) for d, tids, _ in runs) == [("alfworld", 2), ("scienceworld", 2)]
     assert all(task.startswith(d) for d, tids, _ in runs for task in tids)
     assert figures["followup_checked"] == figures["followup_solved"] == 2.0 and len(ids) == 2

@@ -126,7 +126,7 @@ def test_budget_floor_as_a_share_of_the_stage(fraction, expected):
     from types import SimpleNamespace
 
     from hamo_ray.config import HamoConfig
-    from hamo_ray.steps import select
+    from hamo_ray.stage import select
 
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(4, 16))
