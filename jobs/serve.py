@@ -25,14 +25,13 @@ as ``***``) and exit, starting nothing::
 
     python jobs/serve.py --run runs/tiny-hamo-s0 --port 9000 serve.num_replicas=2 --print-config
 
-Exit status 2: not a run folder, a bad override or an uncommitted ``--stage``, named on stderr.
+Exit status 2: not a run folder, a bad override or an uncommitted ``--stage``, named on stderr. The
+base model and the services come from ``hamo_ray.serve_run``; this file is only the command line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
 import signal
 import sys
@@ -41,55 +40,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from hamo_ray.config import ConfigError, HamoConfig, load_saved_config  # noqa: E402
+from hamo_ray.config import ConfigError, load_saved_config  # noqa: E402
 from hamo_ray.logs import setup_logging  # noqa: E402
-
-logger = logging.getLogger("hamo_ray.jobs.serve")
-
-
-def _model_path(cfg: HamoConfig, run: Path) -> str:
-    """The base model folder: ``model.path``, else the embedded backbone's cache folder.
-
-    A GGUF file or a packaged model is the HF folder it was converted into (``hamo_ray.models``;
-    converted now if the cache lost it). The embedded cache folder is named by a hash of the settings;
-    when code changes moved that name, the folder the run's adapters were trained on (peft's
-    ``base_model_name_or_path``) is used.
-    """
-    if cfg.model.path != "embedded":
-        from hamo_ray.models import resolve_model_path
-
-        return resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-    from hamo_ray.training.backbone import backbone_path
-
-    state = run / "state.json"
-    recorded_state = json.loads(state.read_text()).get("backbone") if state.is_file() else None
-    if recorded_state and (Path(recorded_state) / "config.json").is_file():
-        return recorded_state  # the stream records the backbone it resolved
-    path = backbone_path(cfg)
-    if (path / "config.json").is_file():
-        return str(path)
-    for adapter_config in sorted((run / "adapters").glob("*/adapter_config.json")):
-        recorded = Path(
-            json.loads(adapter_config.read_text()).get("base_model_name_or_path") or "/nonexistent"
-        )
-        if (recorded / "config.json").is_file():
-            logger.warning(
-                "backbone not at %s; using %s, the base of %s", path, recorded, adapter_config.parent
-            )
-            return str(recorded)
-    raise ConfigError(f"the run's embedded backbone is not built at {path} (run the stream first)")
-
-
-def run_services(run: Path, cfg: HamoConfig, max_stage: int | None):
-    """The ``Services`` that serve ``run``: with the harness when the run has a memory."""
-    from hamo_ray.run_folder import RunFolder
-    from hamo_ray.runtime import Services
-
-    folder = RunFolder(run, cfg)
-    has_memory = Path(folder.memory_uri).exists() or "://" in folder.memory_uri
-    if not has_memory:
-        logger.warning("no memory at %s: serving without the harness", folder.memory_uri)
-    return Services(cfg, folder, harness=has_memory, max_stage=max_stage)
+from hamo_ray.serve_run import run_model_path, run_services  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(
                 f"stage {args.stage} is not committed in {run}/state.json (has {sorted(committed)})"
             )
-        model_path = _model_path(cfg, run)
+        model_path = run_model_path(cfg, run)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
