@@ -39,25 +39,6 @@ from hamo_ray.selection import sample_replay, select_anchors
 from hamo_ray.steps import stage_seed
 from hamo_ray.types import StageResult, TaskSpec, Trajectory
 
-__all__ = [
-    "Adapter",
-    "Release",
-    "StageContext",
-    "collect",
-    "distil",
-    "dpo",
-    "evaluate",
-    "evaluate_policy",
-    "explore",
-    "initial_stage",
-    "publish",
-    "release",
-    "replay",
-    "run_stage",
-    "select",
-    "train",
-]
-
 logger = logging.getLogger(__name__)
 
 
