@@ -272,3 +272,13 @@ def test_every_preset_loads(preset):
     else:
         cfg = load_config(preset)
         assert set(cfg.domains()) <= set(env_sections())
+
+
+def test_per_domain_counts_still_work_beside_the_sections():
+    cfg = load_config(
+        TINY_CROSS,
+        ["protocol.train_per_task={scienceworld: 6, alfworld: 4, webshop: 5}", "env.webshop.ids=short"],
+    )
+    assert [cfg.per_domain("protocol.train_per_task", d) for d in cfg.domains()] == [6, 4, 5]
+    assert cfg.per_domain("protocol.test_per_task", "alfworld") == 3
+    assert cfg.task_types("webshop") == ["beauty", "grocery"] and cfg.env.webshop.ids == "short"
