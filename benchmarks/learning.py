@@ -1,4 +1,4 @@
-"""The learning experiment (README "Does it learn?"): its sweeps, their wall time and the methods' table.
+"""The learning experiment (docs/results-toy.md, superseded): its sweeps, their wall time and the methods' table.
 
 A slow benchmark: it runs each sweep file with ``jobs/sweep.py`` (cells already finished in the sweep's
 root are skipped, so a rerun only aggregates or finishes what is missing), times it, and prints one row

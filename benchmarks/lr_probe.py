@@ -1,6 +1,6 @@
 """How far one stage's LoRA update moves the training loss at each learning rate (training data only).
 
-The learning experiment (README "Does it learn?") deviates from the paper's learning rate (2e-4) on
+The learning experiment (docs/results-toy.md, superseded) deviates from the paper's learning rate (2e-4) on
 the embedded ~0.5M-parameter backbone. This probe is the measurement behind that choice: it takes a
 finished run folder, rebuilds a stage's training examples exactly as the stream did (the stage's
 anchors, with the experience retrieved from the run's memory when the method conditions), trains a
