@@ -37,7 +37,11 @@ def _cfg(games_dir: Path, **kw) -> EnvConfig:
     return EnvConfig(
         domain="alfworld",
         task_types=SIX,
-        alfworld={"games": "generated", "data": str(games_dir / "no-official-data"), "games_dir": str(games_dir)},
+        alfworld={
+            "games": "generated",
+            "data": str(games_dir / "no-official-data"),
+            "games_dir": str(games_dir),
+        },
         **kw,
     )
 

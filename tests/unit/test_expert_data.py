@@ -260,7 +260,9 @@ def test_alfworld_unknown_game_and_missing_official_data_are_named(alfworld_game
     with pytest.raises(ExpertDataError, match="item 0: field 'game_file'.*no such game"):
         load_expert_file(path, "alfworld", cfg)
     with pytest.raises(ConfigError, match=f"env.alfworld.games=official.*{tmp_path / 'none'}"):
-        load_expert_file(path, "alfworld", EnvConfig(domain="alfworld", alfworld={"data": str(tmp_path / "none")}))
+        load_expert_file(
+            path, "alfworld", EnvConfig(domain="alfworld", alfworld={"data": str(tmp_path / "none")})
+        )
 
 
 def test_stage_experts_split_like_the_simulator_tasks(tmp_path: Path) -> None:
