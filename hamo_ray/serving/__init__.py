@@ -1,11 +1,11 @@
-"""The policy endpoint: Ray Serve + vLLM, OpenAI-compatible, LoRA adapters published at run time.
+"""The policy endpoint: Ray Serve replicas serving vLLM's own OpenAI app, LoRA adapters published at run time.
 
 Driver side (see ``client``)::
 
     from hamo_ray.serving import publish_adapter, shutdown_policy_server, start_policy_server
 
-The deployment itself is ``hamo_ray.serving.app`` and the engine ``hamo_ray.serving.engine``;
-importing this package imports neither Ray Serve nor vLLM.
+The deployment is ``hamo_ray.serving.app``, the engine ``hamo_ray.serving.engine``; importing this
+package imports neither Ray Serve nor vLLM.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from hamo_ray.serving.client import (
     AdapterNotLiveError,
     PolicyServerError,
     base_url,
+    direct_url,
     publish_adapter,
     shutdown_policy_server,
     start_policy_server,
@@ -24,6 +25,7 @@ __all__ = [
     "AdapterNotLiveError",
     "PolicyServerError",
     "base_url",
+    "direct_url",
     "publish_adapter",
     "shutdown_policy_server",
     "start_policy_server",

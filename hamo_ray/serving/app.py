@@ -1,126 +1,137 @@
-"""The policy endpoint: a Ray Serve deployment over vLLM's v1 ``AsyncLLM``, OpenAI-compatible, multi-LoRA.
+"""The policy endpoint: a Ray Serve deployment serving vLLM's own OpenAI application over its engine.
 
-Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
-(both with ``stream=true`` SSE), ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}``,
-``GET /metrics`` (the engine's Prometheus metrics, e.g. ``vllm:num_requests_running``, of EVERY replica:
-each sample carries a ``replica`` label, whichever replica the proxy picks). Every route
-is guarded (``hamo_ray.serving.guard``: optional bearer key, body size limit); ``/health`` and
-``/metrics`` stay open for probes and scrapers unless ``serve.auth_probes``. ``max_tokens`` above
-``serve.max_tokens_limit`` is refused.
+Each replica starts vLLM's ``AsyncLLM`` and builds vLLM's app state and FastAPI app with vLLM's own
+``init_app_state`` and ``build_app`` (``vllm.entrypoints.launchers``), as ``vllm serve`` does and as
+``ray.serve.llm``'s direct streaming does; Serve gets the app from ``__serve_build_asgi_app__``. So
+``/v1/chat/completions`` and ``/v1/completions`` (streaming, ``n``, logprobs, ``response_format``,
+structured outputs, tools, ``echo``, ``return_token_ids``, ...), ``/v1/models``, ``/tokenize``,
+``/detokenize`` and ``/version`` are vLLM's code. vLLM's other routes are removed.
 
-A drop-in for vLLM's OpenAI server: the sampling fields vLLM honours go to ``vllm.SamplingParams``
-(``protocol`` validates the requests and maps them, ``responses`` builds the answers and SSE
-chunks), fields it cannot serve get 400 naming them, ``n`` > 1 returns ``n`` choices. Chat messages are rendered with the tokenizer's chat template and the template variables
-``model.enable_thinking`` / ``model.chat_template_kwargs`` of the run, overridden per request by
-``chat_template_kwargs`` (vLLM's field) - the call and variables training uses
-(``hamo_ray.prompting.encode_chat``), so a trained prompt and a served one are the same tokens.
-The server builds no prompts itself: rollout workers build them (``hamo_ray.rollout.worker``).
-Adapter loading is also a deployment method (``handle.load_adapter.remote(name, path)``). Deploy it
-with ``hamo_ray.serving.start_policy_server``, or by hand::
+HaMo's own parts:
 
-    serve.run(build_app(model_path, model_cfg, serve_cfg, adapter_root), name="hamo", blocking=False)
-
-Why our own deployment and not ``ray.serve.llm`` (Ray 2.60, read in its installed sources):
-
-- ``LoraConfig.dynamic_lora_loading_path`` is validated by ``is_remote_path`` and must start with
-  s3://, gs://, abfss:// or azure:// (``ray/llm/_internal/serve/core/configs/llm_config.py``); local
-  adapter folders are not accepted, and adapters are only found as subfolders of that URI, served as
-  ``<base_model_id>:<subfolder>`` (``common/utils/lora_utils.py: get_lora_model_ids``), through Serve
-  model multiplexing and a cloud download step (``serve/utils/lora_serve_utils.py``).
-- Its OpenAI ingress (``serve/core/ingress/ingress.py``) has no ``/v1/load_lora_adapter`` route; the
-  engine's ``resolve_lora`` is reachable only through the multiplexing path above.
-- Extending it means subclassing private ``ray.llm._internal`` classes that change between Ray
-  releases. vLLM's ``AsyncLLM`` (``vllm/v1/engine/async_llm.py``) offers what we need as public
-  methods: ``generate(prompt, SamplingParams, request_id, lora_request=...)``, ``add_lora``,
-  ``check_health``, ``shutdown``; ``LoRARequest(lora_name, lora_int_id, lora_path)``
-  (``vllm/lora/request.py``) loads a local peft folder under any name.
-
-So this deployment owns adapter naming (any new name, a folder inside the adapter root, a distinct
-integer id each), applies the tokenizer's chat template itself (transformers
-``apply_chat_template(..., tokenize=True, return_dict=False)``, the call training uses) and hands
-the engine token ids, so training and inference see the same tokens.
+- Adapters: ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` (and ``load_adapter``
+  through a Serve handle) loads a folder inside the adapter root (``AdapterRegistry``: local or an
+  object store, names never reused) through vLLM's ``OpenAIServingModels.load_lora_adapter``. A name
+  another replica published is found by a vLLM LoRA resolver reading the registry, so every replica
+  serves every published name; ``/v1/models`` adopts them first, so it lists them all.
+- The training format: chat is rendered with the tokenizer's template, string content, and the run's
+  template variables under the request's ``chat_template_kwargs`` (``engine.start_engine``), the
+  call training makes. A request's own ``chat_template``, ``truncate_prompt_tokens``,
+  ``add_special_tokens`` on chat, template-call arguments in ``chat_template_kwargs``, fields vLLM
+  does not know, and ``max_tokens`` above ``serve.max_tokens_limit`` get 400 naming the field.
+- ``GET /health`` (with this deployment's ``instance``), ``GET /metrics`` of every replica
+  (``hamo_ray.serving.metrics``), and the guard (``hamo_ray.serving.guard``) on every route.
 """
-
-from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import types
+from http import HTTPStatus
 from pathlib import Path
-from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict
 from ray import serve
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, PlainTextResponse
 
 from hamo_ray.config import ModelConfig, ServeConfig
-from hamo_ray.serving import protocol as oa
-from hamo_ray.serving import responses
 from hamo_ray.serving.adapters import AdapterError, AdapterRegistry
-from hamo_ray.serving.engine import DEFAULT_MAX_LORA_RANK, build_engine
-from hamo_ray.serving.guard import GuardMiddleware, configure_guard
-from hamo_ray.serving.metrics import ReplicaMetrics, RunningPeak
+from hamo_ray.serving.engine import DEFAULT_MAX_LORA_RANK, start_engine
+from hamo_ray.serving.guard import GuardMiddleware, GuardSettings
+from hamo_ray.serving.metrics import InflightMiddleware, ReplicaMetrics, RunningPeak
 from hamo_ray.serving.objstore import is_uri
 
 logger = logging.getLogger(__name__)
 
-api = FastAPI(title="HaMo policy server")
-api.add_middleware(GuardMiddleware)
+# vLLM's routes served as they are (ours: /health, /metrics, /v1/models, /v1/load_lora_adapter).
+VLLM_ROUTES = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/version", "/openapi.json",
+     "/docs", "/docs/oauth2-redirect", "/redoc"}
+)  # fmt: skip
+REFUSED = {
+    "chat_template": "a request's own chat template would break the training format",
+    "truncate_prompt_tokens": "a truncated prompt is not the trained one",
+}
+TEMPLATE_CALL_ARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+GUARDED = [("openai_serving_chat", "create_chat_completion"), ("openai_serving_completion", "create_completion"),
+           ("serving_tokenization", "create_tokenize")]  # fmt: skip
 
 
-@api.exception_handler(oa.APIError)
-async def _api_error(_: Request, exc: oa.APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+def refusal(request, max_tokens_limit: int, max_model_len: int) -> tuple[str, str] | None:
+    """``(field, message)`` when a parsed vLLM request would break the training format or the limits."""
+    for name in request.model_extra or {}:
+        return name, f"unsupported field `{name}`: this server does not serve it"
+    for name, why in REFUSED.items():
+        if getattr(request, name, None) is not None:
+            return name, f"`{name}` is not served: {why}"
+    if hasattr(request, "messages") and getattr(request, "add_special_tokens", False):
+        return "add_special_tokens", "`add_special_tokens` is not served on chat: the template places them"
+    reserved = sorted(set(getattr(request, "chat_template_kwargs", None) or {}) & TEMPLATE_CALL_ARGS)
+    if reserved:
+        return "chat_template_kwargs", f"`chat_template_kwargs` {reserved} are arguments of the template call"
+    tokens = getattr(request, "max_completion_tokens", None) or getattr(request, "max_tokens", None)
+    if tokens is not None and tokens > max_tokens_limit:
+        return "max_tokens", f"max_tokens {tokens} exceeds this server's limit {max_tokens_limit}"
+    if tokens is None and max_tokens_limit < max_model_len and hasattr(request, "max_completion_tokens"):
+        request.max_completion_tokens = max_tokens_limit  # the default length (vLLM cuts it to the context)
+    return None
 
 
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """Unknown routes (404), wrong methods (405), oversize bodies (413), as OpenAI-style JSON."""
-    code = "request_too_large" if exc.status_code == 413 else None
-    return JSONResponse(
-        oa.APIError(exc.status_code, str(exc.detail), code=code).body(), status_code=exc.status_code
-    )
+def _error(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+    from vllm.entrypoints.serve import create_error_response
+
+    kind = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError"}.get(status, "ServerError")
+    body = create_error_response(message, kind, HTTPStatus(status), param).model_dump()
+    return JSONResponse(body, status_code=status)
 
 
-@api.exception_handler(RequestValidationError)
-async def _invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-    """400 naming the field: unknown fields, refused fields (``protocol.UNSUPPORTED``), bad values."""
-    errors = exc.errors()
-    param = ".".join(str(p) for p in errors[0]["loc"][1:]) if errors else None
-    parts = []
-    for e in errors:
-        name = ".".join(str(p) for p in e["loc"][1:]) or "body"
-        if e["type"] == "extra_forbidden":
-            parts.append(f"unsupported field `{name}`: this server does not serve it")
-        else:
-            parts.append(f"{name}: {str(e['msg']).removeprefix('Value error, ')}")
-    return JSONResponse(oa.APIError(400, "; ".join(parts), param=param).body(), status_code=400)
+def _guard_handler(handler, method: str, *limits: int) -> None:
+    from vllm.entrypoints.serve import create_error_response
+
+    inner = getattr(handler, method)
+
+    async def guarded(request, *args, **kwargs):
+        if refused := refusal(request, *limits):
+            return create_error_response(refused[1], param=refused[0])
+        return await inner(request, *args, **kwargs)
+
+    setattr(handler, method, guarded)
 
 
-@api.exception_handler(Exception)
-async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-    logger.error("unhandled error", exc_info=exc)
-    return JSONResponse(oa.APIError(500, f"{type(exc).__name__}: {exc}").body(), status_code=500)
+def _registry_resolver(registry: AdapterRegistry):
+    """A vLLM LoRA resolver serving the names the registry file holds (published by any replica)."""
+    from vllm.lora.request import LoRARequest
+    from vllm.lora.resolver import LoRAResolver
+
+    class RegistryResolver(LoRAResolver):
+        async def resolve_lora(self, base_model_name: str, lora_name: str):
+            registry.sync()
+            path = registry.get(lora_name)
+            return None if path is None else LoRARequest(lora_name, 1, str(path))  # vLLM sets the id
+
+    return RegistryResolver()
+
+
+class LoadLoRARequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
 
 
 @serve.deployment
-@serve.ingress(api)
+@serve.ingress()
 class PolicyServer:
-    """One replica: a vLLM engine, the base model's tokenizer and the adapters it serves by name.
+    """One replica: vLLM's engine and OpenAI app, the adapter registry, the guard and the metrics board.
 
-    Args:
-        model_path: local HF folder (or hub id) of the base model (weights + tokenizer).
-        model_cfg: served name, dtype, context length.
-        serve_cfg: engine sizing (see ``hamo_ray.serving.engine``).
-        adapter_root: the folder every adapter must lie in (a run folder's ``adapters/``), or an
-            object-store URI whose adapters each replica downloads (``hamo_ray.serving.objstore``).
-        max_lora_rank: the largest adapter rank accepted.
-        instance: an id ``GET /health`` reports, so a client knows it reached this deployment and
-            not another server on the same port.
+    ``adapter_root``: the folder (or object-store URI) every adapter must lie in; ``instance``: an id
+    ``/health`` reports, so a client knows it reached this deployment.
     """
 
-    def __init__(
+    async def __init__(
         self,
         model_path: str,
         model_cfg: ModelConfig,
@@ -129,211 +140,149 @@ class PolicyServer:
         max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
         instance: str = "",
     ):
-        from transformers import AutoTokenizer
+        from starlette.datastructures import State
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 
-        configure_guard(serve_cfg.api_key, serve_cfg.max_request_bytes, open_probes=not serve_cfg.auth_probes)
-        self._instance = instance
-        self._max_tokens_limit = serve_cfg.max_tokens_limit
-        self._template_kwargs = model_cfg.template_kwargs()  # the run's defaults; requests override
-        self._model_path = str(model_path)
-        self._base = model_cfg.name
-        self._max_model_len = model_cfg.max_model_len
-        self._tokenizer = AutoTokenizer.from_pretrained(self._model_path)
-        self._registry = AdapterRegistry(adapter_root, {self._base}, max_lora_rank)
-        self._loras: dict[str, Any] = {}  # name -> vllm LoRARequest
-        self._next_lora_id = 1
-        self._load_lock = asyncio.Lock()
+        os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # requests for unknown names ask the resolver
+        self._base, self._instance, self._lock = model_cfg.name, instance, asyncio.Lock()
+        self._guard = GuardSettings(
+            serve_cfg.api_key or None, serve_cfg.max_request_bytes, not serve_cfg.auth_probes
+        )
+        self._registry = AdapterRegistry(adapter_root, {model_cfg.name}, max_lora_rank)
+        self._engine, self._args = start_engine(model_path, model_cfg, serve_cfg, max_lora_rank=max_lora_rank)
+        self._tasks = await self._engine.get_supported_tasks()
+        self._state = State()
+        await init_app_state(self._engine, self._state, self._args, self._tasks)
+        self._models = self._state.openai_serving_models
+        self._models.lora_resolvers.append(_registry_resolver(self._registry))
+        for attr, method in GUARDED:
+            if getattr(self._state, attr, None) is not None:
+                limits = serve_cfg.max_tokens_limit, self._engine.model_config.max_model_len
+                _guard_handler(getattr(self._state, attr), method, *limits)
         self._running = RunningPeak()
-        self._metrics = ReplicaMetrics(self._own_metrics)  # /metrics of every replica
-        self._engine = build_engine(self._model_path, model_cfg, serve_cfg, max_lora_rank=max_lora_rank)
-        self._adopt_registered()
+        self._metrics = ReplicaMetrics(self._own_metrics)
+        self._host, self._direct_url = serve_cfg.host, None
+        await self._adopt()
+
+    async def __serve_build_asgi_app__(self):
+        from starlette.exceptions import HTTPException
+        from vllm.entrypoints.launchers.app import build_app as build_vllm_app
+        from vllm.entrypoints.serve.exception_handling.handlers.http import http_exception_handler
+
+        app = build_vllm_app(self._args, supported_tasks=self._tasks, model_config=self._engine.model_config)
+        app.state._state.update(self._state._state)
+        app.state.server = types.SimpleNamespace()  # vLLM's engine-error handler reads it (no uvicorn here)
+        app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) in VLLM_ROUTES]
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"])
+        app.add_exception_handler(HTTPException, http_exception_handler)  # 404/405 as OpenAI JSON too
+        app.middleware_stack = None  # vLLM's build_app built it; ours go outermost
+        app.add_middleware(InflightMiddleware, peak=self._running)
+        app.add_middleware(GuardMiddleware, settings=self._guard)
+        await self._serve_directly(app)
+        return app
+
+    async def _serve_directly(self, app) -> None:
+        """Serve ``app`` on a port of this replica's own too, as ``vllm serve`` does: no proxy hop."""
+        import socket
+
+        import ray
+        import uvicorn
+
+        sock = socket.create_server((self._host, 0), backlog=4096)
+        config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False)
+        config.load()
+        self._direct = uvicorn.Server(config)
+        self._direct.lifespan = config.lifespan_class(config)
+        await self._direct.startup(sockets=[sock])  # not serve(): Ray, not uvicorn, owns the signals
+        self._direct_task = asyncio.get_running_loop().create_task(self._direct.main_loop())
+        host = self._host if self._host not in ("0.0.0.0", "::", "") else ray.util.get_node_ip_address()
+        self._direct_url = f"http://{host}:{sock.getsockname()[1]}"
+        logger.info("replica serving directly at %s", self._direct_url)
 
     def __del__(self) -> None:
-        engine = getattr(self, "_engine", None)
-        if engine is not None:
-            engine.shutdown()
+        if getattr(self, "_direct", None) is not None:
+            self._direct.should_exit = True
+        if getattr(self, "_engine", None) is not None:
+            self._engine.shutdown()
 
     async def check_health(self) -> None:
-        """Serve's periodic health check: raises (and Serve replaces the replica) if the engine died."""
+        """Serve's periodic check: raises (Serve replaces the replica) if the engine died."""
         await self._engine.check_health()
-        self._metrics.start()  # the first check runs in the replica's loop: start publishing
+        self._metrics.start()  # runs in the replica's loop: start publishing to the board
 
     def _own_metrics(self) -> str:
-        from prometheus_client import REGISTRY, generate_latest
+        from prometheus_client import generate_latest
+        from vllm.v1.metrics.prometheus import get_prometheus_registry
 
-        return generate_latest(REGISTRY).decode() + self._running.text(self._base)
+        return generate_latest(get_prometheus_registry()).decode() + self._running.text(self._base)
 
-    def _lora_request(self, name: str, path: Path):
-        from vllm.lora.request import LoRARequest
+    async def _adopt(self) -> None:
+        """Load the adapters other replicas (or this one's predecessor) registered."""
+        self._registry.sync()
+        for name in self._registry.names():
+            if name not in self._models.lora_requests:
+                await self._models.resolve_lora(name)
 
-        request = LoRARequest(lora_name=name, lora_int_id=self._next_lora_id, lora_path=str(path))
-        self._next_lora_id += 1
-        return request
-
-    def _adopt_registered(self) -> None:
-        """Serve the adapters other replicas (or this replica's predecessor) registered."""
-        for name, path in self._registry.sync():
-            self._loras[name] = self._lora_request(name, path)
-            self._registry.add(name, path, persist=False)
-            logger.info("adopted adapter %r from %s", name, path)
-
-    async def load_adapter(self, name: str, path: str) -> dict[str, Any]:
+    async def load_adapter(self, name: str, path: str) -> dict:
         """Serve the peft adapter in ``path`` (inside the adapter root) under the new name ``name``.
 
-        Loading the same name and folder again is a no-op. The weights are loaded into the engine
-        now, so a broken adapter fails here and not at its first request.
-
-        Returns:
-            ``{"lora_name", "lora_path", "lora_int_id", "status": "loaded" | "already_loaded"}``.
-
-        Raises:
-            AdapterError: status 400 (bad name/path/rank, weights the engine rejects) or 409 (name taken).
+        The weights go into the engine now, so a broken adapter fails here. The same name and folder
+        again is a no-op. Returns ``{"lora_name", "lora_path", "lora_int_id", "status": "loaded" |
+        "already_loaded"}``; raises AdapterError 400 (bad name, path, rank or weights) or 409 (name taken).
         """
-        async with self._load_lock:
-            self._adopt_registered()
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+        async with self._lock:
+            self._registry.sync()
             resolved, known = self._registry.check(name, path)
-            if known:
-                lora = self._loras[name]
-                return {
-                    "lora_name": name,
-                    "lora_path": str(resolved),
-                    "lora_int_id": lora.lora_int_id,
-                    "status": "already_loaded",
-                }
-            lora = self._lora_request(name, resolved)
-            try:
-                await self._engine.add_lora(lora)
-            except Exception as exc:
-                raise AdapterError(400, f"the engine could not load {str(resolved)!r}: {exc}") from exc
-            self._loras[name] = lora
-            self._registry.add(name, resolved)
-        logger.info("serving adapter %r (lora id %d) from %s", name, lora.lora_int_id, resolved)
+            if name not in self._models.lora_requests:
+                request = LoadLoRAAdapterRequest(lora_name=name, lora_path=str(resolved))
+                result = await self._models.load_lora_adapter(request)
+                if not isinstance(result, str):
+                    raise AdapterError(
+                        400, f"the engine could not load {str(resolved)!r}: {result.error.message}"
+                    )
+                self._registry.add(name, resolved)
+        lora = self._models.lora_requests[name]
+        status = "already_loaded" if known else "loaded"
+        logger.info("adapter %r (lora id %d) from %s: %s", name, lora.lora_int_id, resolved, status)
         return {
             "lora_name": name,
             "lora_path": str(resolved),
             "lora_int_id": lora.lora_int_id,
-            "status": "loaded",
+            "status": status,
         }
 
-    def _lookup(self, model: str):
-        """The LoRARequest for a served model name (None for the base), else a 404."""
-        if model == self._base:
-            return None
-        if model not in self._loras:
-            self._adopt_registered()
-        if model not in self._loras:
-            raise oa.APIError(
-                404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
-            )
-        return self._loras[model]
-
-    @api.get("/health")
-    async def health(self) -> dict[str, str]:
-        try:
-            await self._engine.check_health()
-        except Exception as exc:
-            raise oa.APIError(503, f"engine unhealthy: {exc}") from exc
-        return {"status": "ok", "model": self._base, "instance": self._instance}
-
-    @api.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
-        self._adopt_registered()
-        created = responses.now()
-        card = {
-            "object": "model",
-            "created": created,
-            "owned_by": "hamo",
-            "max_model_len": self._max_model_len,
-        }
-        data = [{"id": self._base, "root": self._model_path, "parent": None, **card}]
-        data += [
-            {"id": n, "root": lr.lora_path, "parent": self._base, **card} for n, lr in self._loras.items()
-        ]
-        return {"object": "list", "data": data}
-
-    @api.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(self, body: oa.LoadLoRARequest) -> dict[str, Any]:
+    async def load_lora_adapter(self, body: LoadLoRARequest):
         try:
             return await self.load_adapter(body.lora_name, body.lora_path)
         except AdapterError as exc:
-            raise oa.APIError(exc.status, exc.message, param="lora_path") from exc
+            return _error(exc.message, exc.status, "lora_path")
 
-    @api.get("/metrics")
-    async def metrics(self) -> PlainTextResponse:
-        """Every replica's Prometheus metrics (vLLM's and Python's), each sample labelled ``replica``.
+    async def models(self):
+        await self._adopt()
+        return JSONResponse((await self._models.show_available_models()).model_dump())
 
-        This replica's are read now; the others' are the latest they published (at most
-        ``PUBLISH_EVERY_S`` old). Before the board exists (the first seconds) only this replica's.
-        """
+    async def health(self):
+        try:
+            await self._engine.check_health()
+        except Exception as exc:
+            return _error(f"engine unhealthy: {exc}", 503)
+        return {
+            "status": "ok",
+            "model": self._base,
+            "instance": self._instance,
+            "direct_url": self._direct_url,
+        }
+
+    async def metrics(self):
+        """Every replica's Prometheus page, each sample labelled ``replica`` (``ReplicaMetrics``)."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return PlainTextResponse(await self._metrics.text(), media_type=CONTENT_TYPE_LATEST)
-
-    def _render(self, body: oa.ChatCompletionRequest) -> tuple[list[int], str | None]:
-        """Token ids (and, when asked, the text) of a chat request under the chat template.
-
-        The template variables are the run's (``model.template_kwargs()``) with the request's
-        ``chat_template_kwargs`` on top; the call is the one training makes
-        (``hamo_ray.prompting.encode_chat``), so the ids are the ones a training example holds.
-        """
-        messages = [m.to_template() for m in body.messages]
-        kwargs = {**self._template_kwargs, **(body.chat_template_kwargs or {})}
-        call = dict(
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            **kwargs,
-        )
-        try:
-            ids = self._tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **call)
-            text = (
-                self._tokenizer.apply_chat_template(messages, tokenize=False, **call)
-                if body.return_prompt_text
-                else None
-            )
-        except Exception as exc:
-            raise oa.APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
-        return list(ids), text
-
-    @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: oa.ChatCompletionRequest):
-        lora = self._lookup(body.model)
-        ids, text = self._render(body)
-        return await self._respond(body, ids, lora, chat=True, prompt_text=text)
-
-    @api.post("/v1/completions")
-    async def completions(self, body: oa.CompletionRequest):
-        lora = self._lookup(body.model)
-        ids = self._tokenizer(body.prompt_text())["input_ids"]
-        return await self._respond(body, list(ids), lora, chat=False)
-
-    async def _respond(
-        self,
-        body: oa.ChatCompletionRequest | oa.CompletionRequest,
-        ids: list[int],
-        lora: Any,
-        chat: bool,
-        prompt_text: str | None = None,
-    ):
-        params = body.sampling_params(len(ids), self._max_model_len, self._max_tokens_limit)
-        rid = responses.new_id("chatcmpl" if chat else "cmpl")
-        gen = self._engine.generate({"prompt_token_ids": ids}, params, rid, lora_request=lora)
-        if body.stream:
-            events = responses.sse_events(gen, body, rid, ids, chat, prompt_text)
-            return StreamingResponse(self._running.track(events), media_type="text/event-stream")
-        final = None
-        self._running.enter()
-        try:
-            async for out in gen:
-                final = out
-        except Exception as exc:
-            raise oa.engine_error(exc) from exc
-        finally:
-            self._running.exit()
-        outputs = sorted(final.outputs, key=lambda o: o.index)
-        logprobs = [responses.request_logprobs(body, chat, o) for o in outputs]
-        return responses.response(
-            chat, rid, body.model, responses.now(), outputs, ids, logprobs, body.return_token_ids, prompt_text
-        )
 
 
 def build_app(
@@ -347,7 +296,7 @@ def build_app(
     """The Serve application of the policy endpoint, sized by ``serve_cfg``; pass it to ``serve.run``.
 
     GPUs per replica: ``serve_cfg.num_gpus`` when set, else ``tensor_parallel_size`` when the Ray
-    cluster has GPUs, else none (CPU). The replica builds the engine for what it was granted.
+    cluster has GPUs, else none (CPU).
     """
     import ray
 
@@ -361,17 +310,13 @@ def build_app(
             "num_cpus": serve_cfg.num_cpus,
             "num_gpus": num_gpus,
             "resources": dict(serve_cfg.resources),
+            # Serve runs the app on the replica's own event loop, not a second thread's: no thread
+            # hop per ASGI message (Ray's RAY_SERVE_THROUGHPUT_OPTIMIZED default for replicas).
+            "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}},
         },
-        # vLLM batches and queues requests itself; let rollouts keep it full.
-        max_ongoing_requests=max(8, 2 * serve_cfg.max_num_seqs),
+        max_ongoing_requests=max(8, 2 * serve_cfg.max_num_seqs),  # vLLM queues and batches itself
         health_check_period_s=30,
         health_check_timeout_s=60,
     )
-    return deployment.bind(
-        str(model_path),
-        model_cfg,
-        serve_cfg,
-        str(adapter_root) if is_uri(adapter_root) else str(Path(adapter_root).expanduser()),
-        max_lora_rank,
-        instance,
-    )
+    root = str(adapter_root) if is_uri(adapter_root) else str(Path(adapter_root).expanduser())
+    return deployment.bind(str(model_path), model_cfg, serve_cfg, root, max_lora_rank, instance)

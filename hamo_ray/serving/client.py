@@ -8,9 +8,8 @@
     client = openai.OpenAI(base_url=url + "/v1", api_key="EMPTY")
     shutdown_policy_server(cfg.serve)
 
-Only ``start_policy_server``/``shutdown_policy_server`` need Ray (a connected driver); the HTTP
-calls use plain httpx and work from any process that can reach the URL. When the endpoint has an
-API key (``serve.api_key``), pass it as ``api_key=`` to ``wait_healthy`` and ``publish_adapter``.
+Only ``start_policy_server``/``shutdown_policy_server`` need Ray (a connected driver); the HTTP calls
+use httpx from any process that reaches the URL, with ``api_key=`` when the endpoint has one.
 """
 
 from __future__ import annotations
@@ -45,25 +44,18 @@ def base_url(serve_cfg: ServeConfig) -> str:
         import ray
 
         host = ray.util.get_node_ip_address()
-    prefix = serve_cfg.route_prefix.rstrip("/")
-    return f"http://{host}:{serve_cfg.port}{prefix}"
+    return f"http://{host}:{serve_cfg.port}{serve_cfg.route_prefix.rstrip('/')}"
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
-    """The ``Authorization`` header for ``api_key`` (none when None)."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def wait_healthy(
     url: str, timeout_s: float = 300.0, instance: str | None = None, *, api_key: str | None = None
 ) -> None:
-    """Poll ``GET {url}/health`` until it answers 200 (from deployment ``instance``, when given).
-
-    Raises:
-        PolicyServerError: not healthy within ``timeout_s``, or another server answers on that port.
-    """
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
+    """Poll ``GET {url}/health`` until 200 (from deployment ``instance``, when given); else PolicyServerError."""
+    deadline, last = time.monotonic() + timeout_s, "no answer"
     while time.monotonic() < deadline:
         try:
             r = httpx.get(f"{url}/health", timeout=10.0, headers=auth_headers(api_key))
@@ -81,6 +73,17 @@ def wait_healthy(
     raise PolicyServerError(f"policy server at {url} not healthy after {timeout_s:.0f}s: {last}")
 
 
+def direct_url(url: str, *, api_key: str | None = None) -> str | None:
+    """The URL one replica of the endpoint at ``url`` serves on itself, without Serve's proxy hop.
+
+    Same app and guard, at the root (no route prefix); the replica ``/health`` reached. None from a
+    server that has none.
+    """
+    r = httpx.get(f"{url}/health", timeout=30.0, headers=auth_headers(api_key))
+    r.raise_for_status()
+    return r.json().get("direct_url")
+
+
 def start_policy_server(
     model_path: str | Path,
     model_cfg: ModelConfig,
@@ -92,23 +95,10 @@ def start_policy_server(
 ) -> str:
     """Deploy the policy endpoint on the connected Ray cluster and wait until it answers.
 
-    Serve's HTTP proxy is started on ``serve_cfg.host:port`` (cluster-wide options: a Serve instance
-    already running keeps its own). The engine starts in the replica (~20-60 s on CPU).
-
-    Args:
-        model_path: local HF folder (or hub id) of the base model, served as ``model_cfg.name``.
-        model_cfg: served name, dtype, context length.
-        serve_cfg: replicas, resources and engine sizing.
-        adapter_root: the folder adapters are published from (created if missing), or an
-            object-store URI (``s3://bucket/prefix``...; publish paths are then relative to it).
-        max_lora_rank: the largest adapter rank the engine accepts.
-        timeout_s: how long to wait for the endpoint to become healthy.
-
-    Returns:
-        The base URL, e.g. ``http://127.0.0.1:8000``; OpenAI clients use ``base_url + "/v1"``.
-
-    Raises:
-        PolicyServerError: the endpoint was not healthy within ``timeout_s``.
+    Serve's proxy starts on ``serve_cfg.host:port`` (a Serve instance already running keeps its own).
+    ``adapter_root``: the folder adapters are published from (created if missing) or an object-store
+    URI (publish paths are then relative to it). Returns the base URL, e.g. ``http://127.0.0.1:8000``
+    (OpenAI clients use ``url + "/v1"``); raises PolicyServerError if not healthy within ``timeout_s``.
     """
     from ray import serve
 
@@ -117,10 +107,8 @@ def start_policy_server(
     t0 = time.monotonic()
     if not is_uri(adapter_root):
         Path(adapter_root).expanduser().mkdir(parents=True, exist_ok=True)
-    serve.start(
-        http_options={"host": serve_cfg.host, "port": serve_cfg.port},
-        logging_config={"enable_access_log": serve_cfg.access_log},
-    )
+    logging_config = {"enable_access_log": serve_cfg.access_log}
+    serve.start(http_options={"host": serve_cfg.host, "port": serve_cfg.port}, logging_config=logging_config)
     instance = uuid.uuid4().hex
     app = build_app(model_path, model_cfg, serve_cfg, adapter_root, max_lora_rank, instance)
     serve.run(
@@ -128,7 +116,7 @@ def start_policy_server(
         name=serve_cfg.app_name,
         route_prefix=serve_cfg.route_prefix,
         blocking=False,
-        logging_config={"enable_access_log": serve_cfg.access_log},
+        logging_config=logging_config,
     )
     url = base_url(_running_http(serve_cfg))
     wait_healthy(url, max(1.0, timeout_s - (time.monotonic() - t0)), instance, api_key=serve_cfg.api_key)
@@ -146,13 +134,8 @@ def _running_http(serve_cfg: ServeConfig) -> ServeConfig:
     except Exception:  # another Serve version: trust the config
         return serve_cfg
     if (host, port) != (serve_cfg.host, serve_cfg.port):
-        logger.warning(
-            "Serve was already running on %s:%s; serving there, not on %s:%s",
-            host,
-            port,
-            serve_cfg.host,
-            serve_cfg.port,
-        )
+        logger.warning("Serve was already running on %s:%s; serving there, not on %s:%s", host, port,
+                       serve_cfg.host, serve_cfg.port)  # fmt: skip
     return serve_cfg.model_copy(update={"host": host, "port": port})
 
 
@@ -160,9 +143,8 @@ def shutdown_policy_server(serve_cfg: ServeConfig | None = None) -> None:
     """Delete the endpoint's Serve application; stop Serve too when no other application is left."""
     from ray import serve
 
-    serve_cfg = serve_cfg or ServeConfig()
     try:
-        serve.delete(serve_cfg.app_name)
+        serve.delete((serve_cfg or ServeConfig()).app_name)
         if not serve.status().applications:
             serve.shutdown()
     except Exception as exc:  # Serve already gone: nothing to stop
@@ -201,21 +183,12 @@ def publish_adapter(
     timeout_s: float = 120.0,
     api_key: str | None = None,
 ) -> dict[str, Any]:
-    """Load the adapter in ``path`` under ``name`` and prove it is live.
+    """Load the adapter in ``path`` (inside the server's adapter root) under ``name`` and prove it live.
 
-    Live means: ``/v1/models`` lists ``name``, and a greedy probe chat request naming it succeeds
-    and differs from the base model's answer to the same probe, in its tokens or in a token's
-    logprob by more than ``min_logprob_diff`` (an adapter that changes nothing is not provably live).
-
-    Args:
-        base_url: what ``start_policy_server`` returned.
-        name: a new served name (``[A-Za-z0-9._:-]``); republishing the same name and folder is ok.
-        path: the adapter folder, absolute or relative to the server's adapter root, inside it.
-        probe_prompt: the user message of the probe.
-        probe_tokens: greedy tokens generated for the probe.
-        min_logprob_diff: the smallest logprob change that counts as an effect.
-        timeout_s: per HTTP request.
-        api_key: the endpoint's bearer key, if it has one.
+    Live: ``/v1/models`` lists ``name``, and a greedy probe (``probe_tokens`` tokens answering
+    ``probe_prompt``) naming it differs from the base model's, in its tokens or in a token's logprob
+    by more than ``min_logprob_diff`` (an adapter that changes nothing is not provably live).
+    Republishing the same name and folder is fine.
 
     Returns:
         ``{"name", "path", "lora_int_id", "status", "base", "text", "base_text", "tokens",
@@ -238,16 +211,17 @@ def publish_adapter(
         base = next(m["id"] for m in models if m.get("parent") is None)
         live = _probe(client, base_url, name, probe_prompt, probe_tokens)
         ref = _probe(client, base_url, base, probe_prompt, probe_tokens)
-    diffs = [abs(a - b) for a, b in zip(live["logprobs"], ref["logprobs"], strict=False)]
-    max_diff = max(diffs, default=0.0)
+    max_diff = max((abs(a - b) for a, b in zip(live["logprobs"], ref["logprobs"], strict=False)), default=0.0)
     tokens_differ = live["tokens"] != ref["tokens"]
     if not tokens_differ and max_diff <= min_logprob_diff:
         raise AdapterNotLiveError(
             f"adapter {name!r} answers the probe exactly like the base model {base!r} "
             f"(max logprob difference {max_diff:.2e}): it is not provably live"
         )
-    info = {
-        **{k: loaded[k] for k in ("lora_int_id", "status")},
+    logger.info("adapter %r live (tokens differ: %s, max logprob diff %.3g)", name, tokens_differ, max_diff)
+    return {
+        "lora_int_id": loaded["lora_int_id"],
+        "status": loaded["status"],
         "name": name,
         "path": loaded["lora_path"],
         "base": base,
@@ -259,22 +233,15 @@ def publish_adapter(
         "max_logprob_diff": max_diff,
         "seconds": time.monotonic() - t0,
     }
-    logger.info("adapter %r live (tokens differ: %s, max logprob diff %.3g)", name, tokens_differ, max_diff)
-    return info
 
 
 PREFIX_QUERIES, PREFIX_HITS = "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"
 
 
 def prefix_cache_counters(url: str, api_key: str | None = None) -> tuple[float, float] | None:
-    """vLLM's prefix-cache counters from ``GET {url}/metrics``: (prompt tokens queried, tokens hit).
-
-    Summed over every replica and label. The hit rate of a piece of work is the difference of two
-    readings: ``(hits1 - hits0) / (queries1 - queries0)``.
-
-    Returns:
-        The two counters, or None when the endpoint does not report them (or cannot be reached).
-    """
+    """vLLM's prefix-cache counters from ``GET {url}/metrics``, summed over replicas and labels:
+    (prompt tokens queried, tokens hit); None when not reported or unreachable. The hit rate of a
+    piece of work is ``hit_rate(before, after)``."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:

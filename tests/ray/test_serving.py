@@ -40,7 +40,14 @@ SERVE = ServeConfig(
     num_cpus=1,
     port=_free_port(),
     app_name="hamo-serving-test",
-    engine_kwargs={"max_logprobs": MAX_LOGPROBS},
+    # max_logprobs: an engine argument; the others are vLLM frontend arguments (tool calls need a parser),
+    # and no free whitespace in structured output, so a random model's JSON ends within a few tokens.
+    engine_kwargs={
+        "max_logprobs": MAX_LOGPROBS,
+        "tool_call_parser": "hermes",
+        "enable_auto_tool_choice": True,
+        "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
+    },
 )
 MODEL = ModelConfig(name="base", max_model_len=512, dtype="float32")
 
@@ -88,6 +95,7 @@ def published(server, weights):
     return {
         "s1": publish_adapter(server, "s1", weights["adapters"] / "stage-1", prompt, tokens),
         "s2": publish_adapter(server, "s2", "stage-2", prompt, tokens),
+        "stage-1": publish_adapter(server, "stage-1", "stage-1", prompt, tokens),  # a stage's name
     }
 
 
@@ -110,8 +118,8 @@ def test_models_and_chat_format(client):
 def test_errors_are_openai_json(client, server):
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
-    assert err.value.body["code"] == "model_not_found"
-    with pytest.raises(openai.BadRequestError, match="context window"):
+    assert err.value.body["param"] == "model" and err.value.body["code"] == 404
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.chat.completions.create(model="base", messages=[{"role": "user", "content": "kitchen " * 600}])
     for bad in (b"{not json", b'{"model": "base"}'):
         r = httpx.post(
@@ -119,6 +127,9 @@ def test_errors_are_openai_json(client, server):
         )
         assert r.status_code == 400 and "message" in r.json()["error"]
     assert httpx.get(f"{server}/health").json()["status"] == "ok"
+    for method, path in (("GET", "/nope"), ("GET", "/v1/chat/completions"), ("POST", "/v1/responses")):
+        r = httpx.request(method, f"{server}{path}")  # unknown routes, wrong methods, vLLM routes not served
+        assert r.status_code in (404, 405) and "message" in r.json()["error"]
 
 
 def test_publish_adapters_live(client, published):
@@ -401,20 +412,81 @@ def test_sampling_fields_are_honoured(client):
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
         ({"extra_body": {"chat_template": "{{ 1 }}"}}, "chat_template"),
+        ({"extra_body": {"truncate_prompt_tokens": 4}}, "truncate_prompt_tokens"),
+        ({"extra_body": {"add_special_tokens": True}}, "add_special_tokens"),
         ({"extra_body": {"chat_template_kwargs": {"tokenize": False}}}, "chat_template_kwargs"),
         ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
-        ({"extra_body": {"top_k": -5}}, "top_k"),
     ],
 )
-def test_unserved_fields_get_400_naming_them(client, fields, param):
+def test_fields_breaking_the_training_format_get_400_naming_them(client, fields, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="base", messages=CHAT, max_tokens=2, **fields)
     assert err.value.body["param"] == param and param in err.value.body["message"]
+
+
+def test_bad_values_and_completion_truncation_get_400(client):
+    with pytest.raises(openai.BadRequestError, match="top_k"):  # vLLM's own validation
+        client.chat.completions.create(model="base", messages=CHAT, max_tokens=2, extra_body={"top_k": -5})
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(
+            model="base", prompt="x", max_tokens=2, extra_body={"truncate_prompt_tokens": 1}
+        )
+    assert err.value.body["param"] == "truncate_prompt_tokens"
+
+
+ROOM = {
+    "type": "object",
+    "properties": {"room": {"type": "string", "enum": ["kitchen", "hallway"]}},
+    "required": ["room"],
+    "additionalProperties": False,
+}
+
+
+def test_openai_protocol_on_a_stage_adapter(client, server, published):
+    """What users of an OpenAI endpoint reach for, on ``stage-1``: vLLM's protocol end to end."""
+    import json
+
+    model, chat = "stage-1", [{"role": "user", "content": PROMPTS[1]}]
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=chat, max_tokens=6, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert {c.object for c in chunks} == {"chat.completion.chunk"} and chunks[-1].usage.completion_tokens <= 6
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-2].choices[0].finish_reason
+    done = client.completions.create(model=model, prompt="open door", max_tokens=4, echo=True)
+    assert done.object == "text_completion" and done.choices[0].text.startswith("open door")
+    two = client.chat.completions.create(model=model, messages=chat, max_tokens=4, n=2, seed=3)
+    assert [c.index for c in two.choices] == [0, 1]
+    lp = client.chat.completions.create(
+        model=model, messages=chat, max_tokens=4, logprobs=True, top_logprobs=2
+    )
+    assert len(lp.choices[0].logprobs.content) == lp.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 for t in lp.choices[0].logprobs.content)
+    schema = {"type": "json_schema", "json_schema": {"name": "room", "schema": ROOM}}
+    r = client.chat.completions.create(model=model, messages=chat, max_tokens=32, response_format=schema)
+    assert json.loads(r.choices[0].message.content)["room"] in ("kitchen", "hallway")
+    tools = [
+        {"type": "function", "function": {"name": "go", "description": "go to a room", "parameters": ROOM}}
+    ]
+    r = client.chat.completions.create(
+        model=model,
+        messages=chat,
+        max_tokens=128,  # <tool_call>{"name": ..., "arguments": ...}</tool_call> in a 512-token vocabulary
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "go"}},
+    )
+    assert r.choices[0].message.tool_calls, r.choices[0]
+    (call,) = r.choices[0].message.tool_calls
+    json.loads(call.function.arguments)  # a random model's arguments: valid JSON, whatever they say
+    assert call.function.name == "go" and call.type == "function" and call.id
+    # /tokenize renders a chat exactly as the chat route does (the training format).
+    served = client.chat.completions.create(
+        model=model, messages=chat, max_tokens=1, extra_body={"return_token_ids": True}
+    ).model_extra["prompt_token_ids"]
+    tokens = httpx.post(f"{server}/tokenize", json={"model": model, "messages": chat}).json()["tokens"]
+    assert tokens == served
 
 
 def test_health_and_metrics_need_no_key_by_default(server):
