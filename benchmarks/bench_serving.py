@@ -1,15 +1,22 @@
-"""Serving throughput and latency: base vs adapter, batched vs one at a time, our Ray Serve app vs vLLM's server.
+"""Serving throughput and latency: our endpoint vs vLLM's own server, base vs adapter, batched vs one at a time.
 
-Sends chat requests with the official ``openai`` client at concurrency 1, 16 and 64 and prints,
-per level, completion tokens/s and p50/p99 request latency for: the base model and a LoRA adapter
-through ``hamo_ray.serving`` (Ray Serve + vLLM ``AsyncLLM``), and the same two through vLLM's own
-OpenAI server (``python -m vllm.entrypoints.openai.api_server``) on the same engine settings
-(one CPU thread on CPU, the same batch size, LoRA slots, prefix caching and context length).
-Ratios: adapter/base, level/one-at-a-time, ours/vLLM's (the overhead of our layer)::
+Sends chat requests with the official ``openai`` client at concurrency 1, 16 and 64 and prints, per
+level, completion tokens/s and p50/p99 request latency for the base model and a LoRA adapter through
+``hamo_ray.serving`` (Ray Serve + vLLM's OpenAI app; ``ours``: a replica's direct URL, ``proxy``: the
+same replica through Serve's HTTP proxy) and through vLLM's own OpenAI server (``python -m
+vllm.entrypoints.openai.api_server``) on the same engine settings (one CPU thread on CPU, the same batch
+size, LoRA slots, prefix caching, context length and chat-template settings). ``--ray-llm`` adds
+``ray.serve.llm``'s own OpenAI app (``build_openai_app``, base model only: its adapters load only from
+cloud URIs).
+
+All servers run at once and are measured in turns: each (model, level) is measured ``--rounds`` times
+per server, the servers taking turns in a rotating order, and the median round is reported; on a shared
+machine this keeps slow spells from landing on one server only. Ratios: adapter/base, level/one at a
+time, ours/vLLM's (the overhead of our layer), proxy/vLLM's (plus Serve's proxy), ray.serve.llm/vLLM's::
 
     python benchmarks/bench_serving.py                      # a random tiny backbone and adapter
     python benchmarks/bench_serving.py --model PATH --adapter PATH --max-tokens 32
-    python benchmarks/bench_serving.py --levels 1 16 --skip-vllm
+    python benchmarks/bench_serving.py --levels 1 16 --skip-vllm --ray-llm
 
 Results also go to ``benchmarks/results/bench_serving.json`` (``--json PATH``), one row per level.
 """
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import socket
 import statistics
@@ -39,6 +47,7 @@ PROMPTS = [
     "pick up thermometer. focus on orange. This room is called the greenhouse.",
 ]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = "bench-lora"
 
 
 def _free_port() -> int:
@@ -58,8 +67,8 @@ def _weights(tmp: Path) -> tuple[Path, Path]:
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     lora = LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, init_lora_weights=False)
-    get_peft_model(model, lora).save_pretrained(tmp / "adapters" / "bench-lora")
-    return base, tmp / "adapters" / "bench-lora"
+    get_peft_model(model, lora).save_pretrained(tmp / "adapters" / LORA)
+    return base, tmp / "adapters" / LORA
 
 
 async def _load(url: str, model: str, concurrency: int, requests: int, max_tokens: int) -> dict[str, float]:
@@ -99,39 +108,67 @@ async def _load(url: str, model: str, concurrency: int, requests: int, max_token
     }
 
 
-def _sweep(url: str, adapter: str, levels: list[int], max_tokens: int) -> dict[tuple[str, int], dict]:
+def _measure(servers: dict[str, tuple[str, list[str]]], levels: list[int], rounds: int, max_tokens: int):
+    """(server, model, level) -> the median round of ``_load``; servers take turns in a rotating order."""
     results = {}
-    for model in ("base", adapter):
+    names = list(servers)
+    for model in ("base", LORA):
         for c in levels:
-            results[(model, c)] = asyncio.run(_load(url, model, c, max(16, 4 * c), max_tokens))
-            r = results[(model, c)]
-            print(
-                f"  {model:>10} c={c:<3} {r['tok_s']:8.1f} tok/s  p50 {r['p50']:.3f}s  p99 {r['p99']:.3f}s",
-                flush=True,
-            )
+            runs: dict[str, list[dict]] = {s: [] for s in names if model in servers[s][1]}
+            for r in range(rounds):
+                for s in names[r % len(names) :] + names[: r % len(names)]:
+                    if s in runs:
+                        runs[s].append(
+                            asyncio.run(_load(servers[s][0], model, c, max(32, 4 * c), max_tokens))
+                        )
+            for s, rs in runs.items():
+                med = sorted(rs, key=lambda x: x["tok_s"])[len(rs) // 2]
+                results[(s, model, c)] = med
+                spread = ", ".join(f"{x['tok_s']:.0f}" for x in rs)
+                print(
+                    f"  {s:>6} {model:>10} c={c:<3} {med['tok_s']:8.1f} tok/s  p50 {med['p50']:.3f}s  "
+                    f"p99 {med['p99']:.3f}s  (rounds: {spread})",
+                    flush=True,
+                )
     return results
 
 
-def _ours(base: Path, adapter: Path, model_cfg: ModelConfig, serve_cfg: ServeConfig, args) -> dict:
-    import ray
+def _start_ours(base: Path, adapter: Path, model_cfg: ModelConfig, serve_cfg: ServeConfig) -> tuple[str, str]:
+    """Our endpoint: (the replica's direct URL, Serve's proxy URL)."""
+    from hamo_ray.serving import direct_url, publish_adapter, start_policy_server
 
-    from hamo_ray.serving import publish_adapter, shutdown_policy_server, start_policy_server
+    url = start_policy_server(base, model_cfg, serve_cfg, adapter.parent)
+    publish_adapter(url, LORA, adapter.name, serve_cfg.probe_prompt, serve_cfg.probe_tokens)
+    return direct_url(url), url
 
-    ray.init(
-        address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False
+
+def _start_ray_llm(base: Path, model_cfg: ModelConfig, serve_cfg: ServeConfig) -> str:
+    """``ray.serve.llm``'s OpenAI app (ingress deployment + LLMServer) on the same engine settings."""
+    from ray import serve
+    from ray.serve.llm import LLMConfig, build_openai_app
+
+    from hamo_ray.serving.engine import engine_env, engine_kwargs
+
+    kwargs = engine_kwargs(base, model_cfg, serve_cfg)
+    for key in ("model", "served_model_name"):
+        kwargs.pop(key)
+    config = LLMConfig(
+        model_loading_config={"model_id": "base", "model_source": str(base)},
+        engine_kwargs=kwargs,
+        accelerator_config={"kind": "cpu"},
+        placement_group_config={"bundles": [{"CPU": serve_cfg.num_cpus}]},
+        runtime_env={"env_vars": engine_env(serve_cfg)},
+        deployment_config={"max_ongoing_requests": max(8, 2 * serve_cfg.max_num_seqs)},
     )
-    try:
-        url = start_policy_server(base, model_cfg, serve_cfg, adapter.parent)
-        publish_adapter(url, "bench-lora", adapter.name, serve_cfg.probe_prompt, serve_cfg.probe_tokens)
-        return _sweep(url, "bench-lora", args.levels, args.max_tokens)
-    finally:
-        shutdown_policy_server(serve_cfg)
-        ray.shutdown()
+    serve.run(
+        build_openai_app({"llm_configs": [config]}), name="ray-llm", route_prefix="/raylm", blocking=False
+    )
+    url = f"http://127.0.0.1:{serve_cfg.port}/raylm"
+    _wait(url, "/v1/models")
+    return url
 
 
-def _vllm(base: Path, adapter: Path, model_cfg: ModelConfig, serve_cfg: ServeConfig, args) -> dict:
-    import httpx
-
+def _start_vllm(base: Path, adapter: Path, model_cfg: ModelConfig, serve_cfg: ServeConfig, log: Path):
     from hamo_ray.serving.engine import engine_env, engine_kwargs
 
     port = _free_port()
@@ -149,79 +186,79 @@ def _vllm(base: Path, adapter: Path, model_cfg: ModelConfig, serve_cfg: ServeCon
         if isinstance(value, bool):
             cmd.append(flag if value else flag.replace("--", "--no-", 1))
         else:
-            cmd += [flag, str(value)]
-    cmd += ["--lora-modules", f"bench-lora={adapter}"]
+            cmd += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    cmd += ["--lora-modules", f"{LORA}={adapter}", "--chat-template-content-format", "string"]
     env = {**os.environ, **engine_env(serve_cfg)}
-    log = open(Path(args.tmp) / "vllm_server.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited {proc.returncode}; see {log.name}")
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("vLLM server did not come up")
-            time.sleep(2)
-        return _sweep(url, "bench-lora", args.levels, args.max_tokens)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-        log.close()
+    _wait(url, "/health", proc)
+    return proc, url
 
 
-def _rows(ours: dict, theirs: dict | None, levels: list[int]) -> list[dict]:
-    """One row per concurrency level: our base and adapter, their ratios, and vLLM's server if it ran."""
+def _wait(url: str, path: str, proc=None, timeout_s: float = 900) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}")
+        try:
+            if httpx.get(f"{url}{path}", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not come up")
+        time.sleep(2)
+
+
+def _rows(results: dict, levels: list[int]) -> list[dict]:
+    """One row per concurrency level: every server's base and adapter figures and the ratios."""
     rows = []
     for c in levels:
-        b, a = ours[("base", c)], ours[("bench-lora", c)]
-        row = {"concurrency": c}
-        for name, r in (("ours_base", b), ("ours_lora", a)):
-            row |= {f"{name}_tok_s": r["tok_s"], f"{name}_p50_s": r["p50"], f"{name}_p99_s": r["p99"]}
-        row |= {
-            "lora_over_base": a["tok_s"] / b["tok_s"],
-            "batch_over_one_base": b["tok_s"] / ours[("base", levels[0])]["tok_s"],
-            "batch_over_one_lora": a["tok_s"] / ours[("bench-lora", levels[0])]["tok_s"],
-        }
-        if theirs:
-            vb, va = theirs[("base", c)], theirs[("bench-lora", c)]
-            for name, r in (("vllm_base", vb), ("vllm_lora", va)):
+        row: dict = {"concurrency": c}
+        for (s, model, level), r in results.items():
+            if level == c:
+                name = f"{s}_{'base' if model == 'base' else 'lora'}"
                 row |= {f"{name}_tok_s": r["tok_s"], f"{name}_p50_s": r["p50"], f"{name}_p99_s": r["p99"]}
-            row |= {
-                "ours_over_vllm_base": b["tok_s"] / vb["tok_s"],
-                "ours_over_vllm_lora": a["tok_s"] / va["tok_s"],
-            }
+        for kind in ("base", "lora"):
+            one = results.get(("ours", "base" if kind == "base" else LORA, levels[0]))
+            if one and f"ours_{kind}_tok_s" in row:
+                row[f"batch_over_one_{kind}"] = row[f"ours_{kind}_tok_s"] / one["tok_s"]
+            for s in ("ours", "proxy", "raylm"):
+                if f"{s}_{kind}_tok_s" in row and f"vllm_{kind}_tok_s" in row:
+                    row[f"{s}_over_vllm_{kind}"] = row[f"{s}_{kind}_tok_s"] / row[f"vllm_{kind}_tok_s"]
+        if "ours_lora_tok_s" in row:
+            row["lora_over_base"] = row["ours_lora_tok_s"] / row["ours_base_tok_s"]
         rows.append(row)
     return rows
 
 
 def _table(rows: list[dict]) -> str:
-    head = (
-        f"{'conc':>4} | {'ours base tok/s':>15} {'p50':>7} {'p99':>7} | {'ours lora tok/s':>15} {'p50':>7} "
-        f"{'p99':>7} | {'lora/base':>9} | {'batch/1 base':>12} {'batch/1 lora':>12}"
-    )
-    theirs = bool(rows) and "vllm_base_tok_s" in rows[0]
-    if theirs:
-        head += f" | {'vllm base tok/s':>15} {'vllm lora tok/s':>15} | {'ours/vllm base':>14} {'ours/vllm lora':>14}"
+    columns = [
+        ("ours base tok/s", "ours_base_tok_s", ".1f"),
+        ("p50", "ours_base_p50_s", ".3f"),
+        ("ours lora tok/s", "ours_lora_tok_s", ".1f"),
+        ("p50", "ours_lora_p50_s", ".3f"),
+        ("lora/base", "lora_over_base", ".2f"),
+        ("batch/1 base", "batch_over_one_base", ".2f"),
+        ("vllm base tok/s", "vllm_base_tok_s", ".1f"),
+        ("vllm lora tok/s", "vllm_lora_tok_s", ".1f"),
+        ("ours/vllm base", "ours_over_vllm_base", ".2f"),
+        ("ours/vllm lora", "ours_over_vllm_lora", ".2f"),
+        ("proxy/vllm base", "proxy_over_vllm_base", ".2f"),
+        ("proxy/vllm lora", "proxy_over_vllm_lora", ".2f"),
+        ("raylm base tok/s", "raylm_base_tok_s", ".1f"),
+        ("raylm/vllm base", "raylm_over_vllm_base", ".2f"),
+    ]
+    columns = [col for col in columns if any(col[1] in r for r in rows)]
+    head = f"{'conc':>4} | " + " | ".join(f"{title:>{max(len(title), 8)}}" for title, _, _ in columns)
     lines = [head, "-" * len(head)]
     for r in rows:
-        line = (
-            f"{r['concurrency']:>4} | {r['ours_base_tok_s']:>15.1f} {r['ours_base_p50_s']:>7.3f} "
-            f"{r['ours_base_p99_s']:>7.3f} | {r['ours_lora_tok_s']:>15.1f} {r['ours_lora_p50_s']:>7.3f} "
-            f"{r['ours_lora_p99_s']:>7.3f} | {r['lora_over_base']:>9.2f} | "
-            f"{r['batch_over_one_base']:>12.2f} {r['batch_over_one_lora']:>12.2f}"
-        )
-        if theirs:
-            line += (
-                f" | {r['vllm_base_tok_s']:>15.1f} {r['vllm_lora_tok_s']:>15.1f} | "
-                f"{r['ours_over_vllm_base']:>14.2f} {r['ours_over_vllm_lora']:>14.2f}"
-            )
-        lines.append(line)
+        cells = [
+            f"{format(r[key], fmt) if key in r else '-':>{max(len(title), 8)}}" for title, key, fmt in columns
+        ]
+        lines.append(f"{r['concurrency']:>4} | " + " | ".join(cells))
     return "\n".join(lines)
 
 
@@ -235,26 +272,50 @@ def main() -> None:
         "--levels", type=int, nargs="+", default=[1, 16, 64], help="concurrency levels (space-separated)"
     )
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--skip-vllm", action="store_true", help="only our app")
+    parser.add_argument("--rounds", type=int, default=5, help="measurements per server, model and level")
+    parser.add_argument("--skip-vllm", action="store_true", help="not vLLM's own server")
+    parser.add_argument("--ray-llm", action="store_true", help="also ray.serve.llm's OpenAI app (base only)")
     add_json_argument(parser, __file__)
     args = parser.parse_args()
     results = Results(__file__, args)
-    args.tmp = tempfile.mkdtemp(prefix="bench_serving_")
+    tmp = Path(tempfile.mkdtemp(prefix="bench_serving_"))
     if args.model and args.adapter:
         base, adapter = Path(args.model), Path(args.adapter)
     else:
-        base, adapter = _weights(Path(args.tmp))
+        base, adapter = _weights(tmp)
     model_cfg = ModelConfig(name="base", max_model_len=512, dtype="float32")
     serve_cfg = ServeConfig(
         max_num_seqs=max(args.levels), num_cpus=1, port=_free_port(), app_name=f"bench-{os.getpid()}"
     )
-    print(f"ours (Ray Serve + AsyncLLM), model {base}, adapter {adapter}", flush=True)
-    ours = _ours(base, adapter, model_cfg, serve_cfg, args)
-    theirs = None
-    if not args.skip_vllm:
-        print("vLLM's OpenAI server, same engine settings", flush=True)
-        theirs = _vllm(base, adapter, model_cfg, serve_cfg, args)
-    rows = [results.add(r) for r in _rows(ours, theirs, args.levels)]
+    import logging
+
+    import ray
+
+    from hamo_ray.serving import shutdown_policy_server
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per request in the load client
+
+    ray.init(
+        address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False
+    )
+    proc = None
+    try:
+        print(f"model {base}, adapter {adapter}; starting the servers", flush=True)
+        direct, proxied = _start_ours(base, adapter, model_cfg, serve_cfg)
+        servers = {"ours": (direct, ["base", LORA]), "proxy": (proxied, ["base", LORA])}
+        if args.ray_llm:
+            servers["raylm"] = (_start_ray_llm(base, model_cfg, serve_cfg), ["base"])
+        if not args.skip_vllm:
+            proc, url = _start_vllm(base, adapter, model_cfg, serve_cfg, tmp / "vllm_server.log")
+            servers["vllm"] = (url, ["base", LORA])
+        measured = _measure(servers, args.levels, args.rounds, args.max_tokens)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=60)
+        shutdown_policy_server(serve_cfg)
+        ray.shutdown()
+    rows = [results.add(r) for r in _rows(measured, args.levels)]
     print()
     print(_table(rows))
     results.finish()
