@@ -80,11 +80,8 @@ class HarnessServer:
     def retrieve_cards(
         self, goal: str, init_obs: str, k: int, max_stage: int | None = None
     ) -> dict[str, Any]:
-        """Top-``k`` cards for (goal, init_obs): ``{"cards": [Card as JSON], "scores": [cosine]}``.
-
-        Raises:
-            ValueError: the memory's vector width differs from the embedding model's.
-        """
+        """Top-``k`` cards for (goal, init_obs): ``{"cards": [Card as JSON], "scores": [cosine]}``
+        (ValueError when the memory's vector width is not the embedding model's)."""
         from hamo_ray.memory.embed import key_text
 
         if self.max_stage is not None:
@@ -113,17 +110,10 @@ def build_harness_app(
     max_request_bytes: int = 1_000_000,
     max_stage: int | None = None,
 ):
-    """The harness application, ready for ``serve.run(app, name=..., route_prefix=...)``.
-
-    Args:
-        memory_uri: the LanceDB folder or URI (a run's ``memory/``).
-        memory: the run's memory settings: table, embedding model (the one the cards were
-            embedded with), index search settings and storage options.
-        num_cpus: per replica.
-        api_key: bearer key required on its routes; None: open.
-        max_request_bytes: larger bodies get 413.
-        max_stage: cap on the stages retrieved from (None: all).
-    """
+    """The harness application for ``serve.run(app, name=..., route_prefix=...)``: the LanceDB memory at
+    ``memory_uri`` read with the run's ``memory`` settings (table, the embedding model the cards were
+    embedded with, index and storage options), ``num_cpus`` per replica, the guard's key and body
+    limit, and a cap ``max_stage`` on the stages retrieved from (None: all)."""
     return HarnessServer.options(ray_actor_options={"num_cpus": num_cpus}).bind(
         memory_uri, memory, api_key, max_request_bytes, max_stage
     )

@@ -32,7 +32,7 @@ class RunningPeak:
 
     def enter(self) -> None:
         self.inflight += 1
-        if self._task is None:
+        if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._watch())
 
     def exit(self) -> None:
@@ -41,10 +41,10 @@ class RunningPeak:
     async def _watch(self) -> None:
         from prometheus_client import REGISTRY
 
-        while True:
+        while self.inflight:  # then idle until the next request
             await asyncio.sleep(self.interval_s)
             collector = getattr(REGISTRY, "_names_to_collectors", {}).get(RUNNING)
-            if self.inflight and collector is not None:
+            if collector is not None:
                 values = [s.value for m in collector.collect() for s in m.samples if s.name == RUNNING]
                 self.peak = max([self.peak, *values])
 

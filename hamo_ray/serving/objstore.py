@@ -62,11 +62,7 @@ def folder_digest(folder: Path) -> str:
 
 
 def check_relative(rel: str) -> str:
-    """``rel`` as a clean relative POSIX path inside a store.
-
-    Raises:
-        ObjectStoreError: empty, absolute, or with ``..``.
-    """
+    """``rel`` as a clean relative POSIX path inside a store; ObjectStoreError if empty, absolute or with ``..``."""
     path = PurePosixPath(rel)
     if not rel or path.is_absolute() or ".." in path.parts or str(path) in ("", "."):
         raise ObjectStoreError(f"{rel!r} must be a non-empty relative path without '..'")
@@ -74,14 +70,8 @@ def check_relative(rel: str) -> str:
 
 
 class ObjectStore:
-    """A folder of adapter folders behind a ``pyarrow.fs`` URI.
-
-    Args:
-        uri: e.g. ``s3://bucket/prefix?region=...``; ``file:///abs/path`` for a local store.
-
-    Raises:
-        ObjectStoreError: pyarrow cannot open the URI (unknown scheme, bad query option...).
-    """
+    """A folder of adapter folders behind a ``pyarrow.fs`` URI (``s3://bucket/prefix?region=...``,
+    ``file:///abs/path``); ObjectStoreError when pyarrow cannot open it."""
 
     def __init__(self, uri: str):
         from pyarrow import fs as pafs
@@ -104,11 +94,8 @@ class ObjectStore:
         return info.type == pafs.FileType.File
 
     def upload(self, local_dir: str | Path, rel: str) -> None:
-        """Copy a local adapter folder to ``rel``: its files, the digest, ``adapter_config.json`` last.
-
-        Raises:
-            ObjectStoreError: ``local_dir`` holds no ``adapter_config.json``.
-        """
+        """Copy a local adapter folder (ObjectStoreError without its ``adapter_config.json``) to ``rel``:
+        its files, the digest, ``adapter_config.json`` last."""
         local = Path(local_dir)
         if not (local / ADAPTER_CONFIG).is_file():
             raise ObjectStoreError(f"{str(local)!r} holds no {ADAPTER_CONFIG} (not a peft adapter)")
@@ -122,9 +109,7 @@ class ObjectStore:
         # The digest, then the config: a folder without its config is an upload cut short.
         self.write_text(f"{rel}/{DIGEST_FILE}", folder_digest(local))
         self._put_file(local / ADAPTER_CONFIG, f"{dest}/{ADAPTER_CONFIG}")
-        logger.info(
-            "uploaded adapter %s to %s/%s (%d files)", local, self.uri.split("?")[0], rel, len(files) + 1
-        )
+        logger.info("uploaded adapter %s to %s/%s", local, self.uri.split("?")[0], rel)
 
     def put(self, local_dir: str | Path, rel: str) -> bool:
         """Upload ``local_dir`` to ``rel`` unless the store holds the same content there; True if uploaded."""
@@ -139,11 +124,8 @@ class ObjectStore:
             shutil.copyfileobj(src, out, 1 << 20)
 
     def fetch(self, rel: str, cache: Path) -> Path:
-        """The local copy of the adapter folder ``rel``, downloaded into ``cache`` if not there yet.
-
-        Raises:
-            ObjectStoreError: no complete adapter folder at ``rel``.
-        """
+        """The local copy of the adapter folder ``rel``, downloaded into ``cache`` unless a copy with the
+        store's digest is there; ObjectStoreError when the store holds no complete folder at ``rel``."""
         from pyarrow import fs as pafs
 
         rel = check_relative(rel)

@@ -489,6 +489,25 @@ def test_openai_protocol_on_a_stage_adapter(client, server, published):
     assert tokens == served
 
 
+def test_direct_url_serves_the_same_app(server, published):
+    """A replica's own port (no Serve proxy hop): the same models, routes and answers."""
+    from hamo_ray.serving import direct_url
+
+    direct = direct_url(server)
+    assert direct and direct != server
+    assert (
+        httpx.get(f"{direct}/health").json()["instance"] == httpx.get(f"{server}/health").json()["instance"]
+    )
+    listed = {m["id"] for m in httpx.get(f"{direct}/v1/models").json()["data"]}
+    assert listed == {m["id"] for m in httpx.get(f"{server}/v1/models").json()["data"]} >= {"s1", "stage-1"}
+    body = {"model": "s1", "messages": CHAT, "temperature": 0, "max_tokens": 8, "return_token_ids": True}
+    answers = [
+        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json() for url in (direct, server)
+    ]
+    assert answers[0]["choices"][0]["token_ids"] == answers[1]["choices"][0]["token_ids"]
+    assert httpx.post(f"{direct}/v1/chat/completions", json={**body, "chat_template": "x"}).status_code == 400
+
+
 def test_health_and_metrics_need_no_key_by_default(server):
     assert httpx.get(f"{server}/health").status_code == 200
     assert "vllm:" in httpx.get(f"{server}/metrics").text
