@@ -9,6 +9,8 @@ size, LoRA slots, prefix caching, context length and chat-template settings). ``
 ``ray.serve.llm``'s own OpenAI app (``build_openai_app``, base model only: its adapters load only from
 cloud URIs).
 
+vLLM's server runs at the niceness Ray gives its workers (15 by default), as the replica's engine does:
+on a busy machine, a server at niceness 0 against one at 15 measures the scheduler, not the servers.
 All servers run at once and are measured in turns: each (model, level) is measured ``--rounds`` times
 per server, the servers taking turns in a rotating order, and the median round is reported; on a shared
 machine this keeps slow spells from landing on one server only. Ratios: adapter/base, level/one at a
@@ -168,7 +170,15 @@ def _start_ray_llm(base: Path, model_cfg: ModelConfig, serve_cfg: ServeConfig) -
     return url
 
 
+def _worker_niceness() -> int:
+    """The niceness Ray's raylet gives its workers (``RAY_worker_niceness``, 15 by default on Linux)."""
+    import ray
+
+    return ray.get(ray.remote(num_cpus=0)(lambda: os.nice(0)).remote())
+
+
 def _start_vllm(base: Path, adapter: Path, model_cfg: ModelConfig, serve_cfg: ServeConfig, log: Path):
+    """vLLM's own server, at the niceness of Ray's workers (the replica's engine runs at it too)."""
     from hamo_ray.serving.engine import engine_env, engine_kwargs
 
     port = _free_port()
@@ -189,7 +199,10 @@ def _start_vllm(base: Path, adapter: Path, model_cfg: ModelConfig, serve_cfg: Se
             cmd += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     cmd += ["--lora-modules", f"{LORA}={adapter}", "--chat-template-content-format", "string"]
     env = {**os.environ, **engine_env(serve_cfg)}
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    niceness = _worker_niceness() - os.nice(0)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(niceness)
+    )
     url = f"http://127.0.0.1:{port}"
     _wait(url, "/health", proc)
     return proc, url

@@ -31,8 +31,9 @@ vLLM's own server, this deployment through Serve's proxy at 0.66/0.61/0.54 in th
 Serve's HTTP path, not the app. ``ray.serve.llm`` loads adapters only from cloud URIs
 (``LoraConfig.dynamic_lora_loading_path``) and is extended only through private ``ray.llm._internal``
 classes; ``init_app_state``/``build_app``, ``OpenAIServingModels`` and ``LoRAResolver`` are vLLM's own
-entry points. A replica's direct URL served at 0.94/1.05/1.03 of vLLM's server (adapter 0.84/1.05/0.98),
-through the proxy 0.82/0.67/0.57 (adapter 0.68/0.90/0.77), in one 5-round run.
+entry points. A replica's direct URL served at 0.91/0.96/0.92 of vLLM's server (adapter 0.95/1.07/0.95),
+through the proxy 0.84/0.73/0.57 (adapter 0.81/0.90/0.75), in one 5-round run, vLLM's server at the
+niceness of Ray's workers (15), as the replica's engine.
 """
 
 import asyncio
