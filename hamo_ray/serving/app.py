@@ -27,10 +27,10 @@ HaMo's own parts:
 Why this and not ``ray.serve.llm`` (``benchmarks/bench_serving.py``, 2 shared CPU cores, a random tiny
 backbone, 32 tokens per answer, all servers up at once, median of interleaved rounds): at concurrency
 1/16/64, ``ray.serve.llm``'s OpenAI app (ingress + LLMServer) served the base model at 0.68/0.56/0.52 of
-vLLM's own server, this deployment through Serve's proxy at 0.66/0.61/0.54 in the same run: the cost is
-Serve's HTTP path, not the app. ``ray.serve.llm`` loads adapters only from cloud URIs
-(``LoraConfig.dynamic_lora_loading_path``) and is extended only through private ``ray.llm._internal``
-classes; ``init_app_state``/``build_app``, ``OpenAIServingModels`` and ``LoRAResolver`` are vLLM's own
+vLLM's own server, this deployment through Serve's proxy at 0.66/0.61/0.54 in the same run (vLLM's
+server then at niceness 0, both Ray apps at 15): the same; the cost is Serve's HTTP path, not the app.
+``ray.serve.llm`` loads adapters only from cloud URIs (``LoraConfig.dynamic_lora_loading_path``) and is
+extended only through private ``ray.llm._internal`` classes; ``init_app_state``/``build_app``, ``OpenAIServingModels`` and ``LoRAResolver`` are vLLM's own
 entry points. A replica's direct URL served at 0.91/0.96/0.92 of vLLM's server (adapter 0.95/1.07/0.95),
 through the proxy 0.84/0.73/0.57 (adapter 0.81/0.90/0.75), in one 5-round run, vLLM's server at the
 niceness of Ray's workers (15), as the replica's engine.
