@@ -24,7 +24,7 @@ import time
 import numpy as np
 from common import Results, add_json_argument
 
-from hamo_ray.neighbours import _exact_rows
+from hamo_ray.neighbours import exact_rows
 from hamo_ray.selection import (
     coverage_select,
     knee_point,
@@ -80,7 +80,7 @@ def run(n: int, max_blocks: int, max_steps: int) -> dict:
     blocks = [rows[s : s + block] for s in range(0, n, block)]
     partial = len(blocks) > max_blocks
     t0 = time.perf_counter()
-    base_nb = [_exact_rows(x, b, 3, block) for b in blocks[:max_blocks]]
+    base_nb = [exact_rows(x, b, 3, block) for b in blocks[:max_blocks]]
     t_base_nb = (time.perf_counter() - t0) * len(blocks) / min(len(blocks), max_blocks)
     checked_rows = sum(len(b) for b in base_nb)
     # Rows whose neighbours differ: float rounding of near-ties (torch blocks vs numpy rows, ~1e-7).

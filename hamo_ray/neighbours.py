@@ -45,10 +45,10 @@ def leave_one_out_neighbours(embeddings: np.ndarray, k: int = 3, batch_size: int
     x = np.ascontiguousarray(x / np.maximum(norms, 1e-12))
     if n > EXACT_MAX_ROWS and k < n - 1:
         return _blocked_topk(x, k, batch_size)
-    return _exact_rows(x, np.arange(n), k, batch_size)
+    return exact_rows(x, np.arange(n), k, batch_size)
 
 
-def _exact_rows(x: np.ndarray, rows: np.ndarray, k: int, batch_size: int) -> np.ndarray:
+def exact_rows(x: np.ndarray, rows: np.ndarray, k: int, batch_size: int) -> np.ndarray:
     """Exact top-k other rows of ``x`` for the given row indices (stable tie-break by index)."""
     n = x.shape[0]
     out = np.empty((len(rows), k), dtype=np.int64)
@@ -165,5 +165,5 @@ def _blocked_topk(x: np.ndarray, k: int, batch_size: int) -> np.ndarray:
     # equal, a smaller tied index may have been dropped; those rows are recomputed exactly.
     tied = (best_s[:, k - 1] == best_s[:, k]).nonzero().flatten().numpy()
     if len(tied):
-        out[tied] = _exact_rows(x, tied, k, batch_size)
+        out[tied] = exact_rows(x, tied, k, batch_size)
     return out

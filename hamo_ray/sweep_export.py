@@ -190,7 +190,7 @@ def _mapping(value: Any) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _same_file(a: Path, b: Path) -> bool:
+def same_file(a: Path, b: Path) -> bool:
     return a.is_file() and b.is_file() and a.read_bytes() == b.read_bytes()
 
 

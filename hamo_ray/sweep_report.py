@@ -47,13 +47,13 @@ def collect(
     return groups
 
 
-def fmt(interval: dict) -> str:
-    """``mean ± half-width``, the mean alone with one seed, ``n/a`` without a value."""
+def fmt(interval: dict, digits: int = 2, missing: str = "n/a") -> str:
+    """``mean ± half-width``, the mean alone with one seed, ``missing`` without a value."""
     if interval["mean"] is None:
-        return "n/a"
+        return missing
     if interval["std"] is None:
-        return f"{interval['mean']:.2f}"
-    return f"{interval['mean']:.2f} ± {(interval['ci_high'] - interval['mean']):.2f}"
+        return f"{interval['mean']:.{digits}f}"
+    return f"{interval['mean']:.{digits}f} ± {(interval['ci_high'] - interval['mean']):.{digits}f}"
 
 
 def table(stats: dict[str, SettingStats]) -> str:

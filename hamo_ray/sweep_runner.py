@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 
 from hamo_ray.config import ConfigError, HamoConfig
-from hamo_ray.sweep_export import _same_file, exported_cell, results_dir, save_export, stale_keys
+from hamo_ray.sweep_export import exported_cell, results_dir, same_file, save_export, stale_keys
 from hamo_ray.sweep_grid import SweepConfig, expand_cells
 
 logger = logging.getLogger("hamo_ray.sweep")
@@ -88,7 +88,7 @@ def export_finished(sweep: SweepConfig, cells: list[tuple[str, HamoConfig]], str
             continue
         folder = Path(cfg.run.root) / name
         exported = exported_cell(results, name)
-        if exported is not None and _same_file(exported / "state.json", folder / "state.json"):
+        if exported is not None and same_file(exported / "state.json", folder / "state.json"):
             continue
         if save_export(results, name, folder) is not None:
             done.append(name)

@@ -71,11 +71,9 @@ def stage_average(metrics: dict) -> float:
 
 
 def _fmt(r: dict) -> str:
-    if r["mean"] is None:
-        return "-"
-    if r["ci_high"] is None:
-        return f"{r['mean']:.1f}"
-    return f"{r['mean']:.1f} ± {r['ci_high'] - r['mean']:.1f}"
+    from hamo_ray.sweep_report import fmt
+
+    return fmt(r, digits=1, missing="-")
 
 
 def _methods(cells: list[dict]) -> list[str]:

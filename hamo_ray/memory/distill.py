@@ -163,6 +163,15 @@ def _collapse_repeats(steps: list[str]) -> list[str]:
     return out
 
 
+def _numbered(steps: list[str], max_steps: int) -> str:
+    """``1. a; 2. b; ...``: at most ``max_steps`` steps (a final "..." marks more), each cut to MAX_STEP_CHARS."""
+    cut = [s if len(s) <= MAX_STEP_CHARS else s[: MAX_STEP_CHARS - 3] + "..." for s in steps[:max_steps]]
+    parts = [f"{i}. {s}" for i, s in enumerate(cut, start=1)]
+    if len(steps) > max_steps:
+        parts.append("...")
+    return "; ".join(parts)
+
+
 def outline_from_trajectory(traj: Trajectory, max_steps: int = MAX_STEPS) -> str:
     """Distil a trajectory's actions into a numbered, strategy-level solution outline.
 
@@ -179,11 +188,7 @@ def outline_from_trajectory(traj: Trajectory, max_steps: int = MAX_STEPS) -> str
     """
     actions = [a for a in (_clean(a) for a in traj.actions) if not _is_non_progress(a)]
     steps = _collapse_repeats(_group_navigation(actions))
-    cut = [s if len(s) <= MAX_STEP_CHARS else s[: MAX_STEP_CHARS - 3] + "..." for s in steps[:max_steps]]
-    parts = [f"{i}. {s}" for i, s in enumerate(cut, start=1)]
-    if len(steps) > max_steps:
-        parts.append("...")
-    return "; ".join(parts)
+    return _numbered(steps, max_steps)
 
 
 @register_distiller("outline")
@@ -255,11 +260,7 @@ def general_outline_from_trajectory(traj: Trajectory, max_steps: int = MAX_STEPS
         for s in _group_navigation(actions)
     ]
     steps = _collapse_repeats(steps)
-    cut = [s if len(s) <= MAX_STEP_CHARS else s[: MAX_STEP_CHARS - 3] + "..." for s in steps[:max_steps]]
-    parts = [f"{i}. {s}" for i, s in enumerate(cut, start=1)]
-    if len(steps) > max_steps:
-        parts.append("...")
-    return "; ".join(parts)
+    return _numbered(steps, max_steps)
 
 
 @register_distiller("outline_general")
