@@ -21,6 +21,14 @@ ZeRO-2 instead of DDP), ``liger`` (Liger's RMSNorm/SwiGLU/RoPE kernels).
     python benchmarks/bench_train.py                                     # CPU
     python benchmarks/bench_train.py --device cuda --preset qwen3-1.7b --variants pack16k zero2 liger
     python benchmarks/bench_train.py --n 64 --gpu-lengths   # the GPU mode's code path, on CPU
+    python benchmarks/bench_train.py --startup --stages 4   # per-stage start-up of the training engines
+
+``--startup`` measures, side by side in one run, each stage's start-up (the stage's wall time outside
+its training steps: workers, process group, model load, adapter reset, moving the job and the
+adapter) of three engines over ``--stages`` stages of 1 epoch on ``--n`` examples (default 32), two
+workers: one long-lived Ray Train run for all stages (``train.engine=ray_train``, the default), the
+long-lived Ray Core actor group (``train.engine=actors``), and one ``TorchTrainer.fit`` per stage
+(``train.keep_workers=false``, the pattern the long-lived run replaces).
 
 The table is printed and its rows written as JSON (``--json``, default
 ``benchmarks/results/bench_train.json``, see ``benchmarks/common.py``), one row per loop, each with
@@ -196,6 +204,36 @@ def ours(base: str, data: list[Example], args, tmp: Path, emit: Callable[[str, d
         group.shutdown()
 
 
+def startup(base: str, data: list[Example], args, tmp: Path, emit: Callable[[str, dict], None]) -> None:
+    """Per-stage start-up of the training engines: the first stage and the later ones, side by side."""
+    from hamo_ray.training.group import KeptGroup
+    from hamo_ray.training.trainer import train_model
+
+    common = dict(num_workers=2, cpus_per_worker=0.5, target_modules=TARGETS, batch_size=args.batch, epochs=1)
+    engines = [
+        ("ray_train, one run", TrainConfig(**common, engine="ray_train")),
+        ("actors, one group", TrainConfig(**common, engine="actors")),
+        ("ray_train, fit per stage", TrainConfig(**common, engine="ray_train", keep_workers=False)),
+    ]
+    for name, tcfg in engines:
+        kept = KeptGroup(tcfg, storage=tmp / "ray_train")
+        prev, times, train_s = None, [], []
+        try:
+            for k in range(args.stages):
+                t = time.perf_counter()
+                r = train_model(base, data, tmp / f"{name[:6]}{k}", tcfg, pad_id=0, init_adapter=prev,
+                                seed=k, name=f"{name} {k}", group=kept.get())  # fmt: skip
+                times.append(time.perf_counter() - t - r.seconds)
+                train_s.append(r.seconds)
+                prev = r.path
+        finally:
+            kept.close()
+        later = times[1:] or [float("nan")]
+        emit(name, {"first_startup_s": times[0], "later_startup_s": float(np.mean(later)),
+                    "later_max_s": float(np.max(later)), "train_s": float(np.mean(train_s)),
+                    "stages": args.stages})  # fmt: skip
+
+
 def main() -> None:
     from common import Results, add_json_argument
 
@@ -210,11 +248,13 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", default=[], choices=["pack16k", "zero2", "liger", "padded"])
     parser.add_argument("--cpus", type=int, default=2)
     parser.add_argument("--skip-plain", action="store_true")
+    parser.add_argument("--startup", action="store_true", help="per-stage start-up of the training engines")
+    parser.add_argument("--stages", type=int, default=4, help="--startup: stages per engine")
     add_json_argument(parser, __file__)
     args = parser.parse_args()
     gpu = args.device == "cuda"
     args.preset = args.preset or ("qwen3-1.7b" if gpu else "tiny")
-    args.n = args.n or (384 if gpu else 512)
+    args.n = args.n or (32 if args.startup else 384 if gpu else 512)
     args.batch = args.batch or (4 if gpu else 8)
     results = Results(__file__, args)
     logging.basicConfig(level=logging.WARNING)
@@ -226,7 +266,7 @@ def main() -> None:
     rows: dict[str, dict] = {}
 
     def emit(name: str, row: dict) -> None:  # every row carries the set-up it was measured in
-        if "tokens" in row:
+        if "tokens" in row and row.get("seconds"):
             row["tok_s"] = row["tokens"] / row["seconds"]
             row["mfu"] = row["tok_s"] * setup["flops_per_token"] / PEAK_FLOPS if gpu else None
         rows[name] = row
@@ -246,7 +286,7 @@ def main() -> None:
             n_params=n_params, examples=len(data), tokens=sum(lengths), mean_len=float(np.mean(lengths))
         )
         setup.update(max_len=max(lengths), flops_per_token=model_flops(cfg, n_params, data) / sum(lengths))
-        if not args.skip_plain:
+        if not args.skip_plain and not args.startup:
             warmup = 3 if gpu else 0
             emit(
                 "plain transformers+peft",
@@ -255,9 +295,25 @@ def main() -> None:
         ray.init(address="local", num_cpus=max(args.cpus, 4 if gpu else 1), num_gpus=1 if gpu else 0,
                  include_dashboard=False, configure_logging=False, log_to_driver=True)  # fmt: skip
         try:
-            ours(str(Path(tmp) / "base"), data, args, Path(tmp), emit)
+            (startup if args.startup else ours)(str(Path(tmp) / "base"), data, args, Path(tmp), emit)
         finally:
             ray.shutdown()
+    if args.startup:
+        print(f"\nstart-up per stage, {args.stages} stages of {args.n} examples, 2 workers on {args.device}")
+        print(
+            "| engine | first stage s | later stages s (mean) | later max s | training s per stage | first/later |"
+        )
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, r in rows.items():
+            ratio = r["first_startup_s"] / r["later_startup_s"] if r["later_startup_s"] > 0 else float("nan")
+            print(f"| {name} | {r['first_startup_s']:.1f} | {r['later_startup_s']:.2f} | {r['later_max_s']:.2f} | {r['train_s']:.1f} | {ratio:.1f} |")  # fmt: skip
+        base_later = rows.get("ray_train, fit per stage", {}).get("later_startup_s")
+        ours_later = rows.get("ray_train, one run", {}).get("later_startup_s")
+        if base_later and ours_later:
+            print(f"later-stage start-up: one run {ours_later:.2f}s vs fit per stage {base_later:.2f}s "
+                  f"({base_later / ours_later:.1f}x)")  # fmt: skip
+        results.finish()
+        return
     plain = rows.get("plain transformers+peft", {}).get("tok_s")
     where = torch.cuda.get_device_name(0) if gpu else "CPU"
     print(

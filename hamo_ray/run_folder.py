@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 # Keys that may differ between the run that started a folder and the one resuming it.
 _RESUMABLE_KEYS = {"run", "ray", "serve", "rollout"}
+# Keys outside those sections that change how a stage is computed, not what it computes.
+_RESUMABLE_FIELDS = {"train.engine", "train.max_failures", "train.storage", "train.keep_workers"}
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -140,7 +142,8 @@ class RunFolder:
             for section, values in now.items()
             if section not in _RESUMABLE_KEYS
             for key, value in values.items()
-            if saved.get(section, {}).get(key, defaults.get(section, {}).get(key)) != value
+            if f"{section}.{key}" not in _RESUMABLE_FIELDS
+            and saved.get(section, {}).get(key, defaults.get(section, {}).get(key)) != value
         ]
         if diffs:
             raise ConfigError(

@@ -44,6 +44,9 @@ class Endpoint:
     harness_url: str | None = None  # None: this run has no harness
     api_key: str | None = None
     tokenizer: str | None = None  # the served backbone's folder: rollouts count prompt tokens with it
+    # A replica's own port (serve.direct_rollouts, one replica): rollouts send their chats there, with
+    # base_url (Serve's route) as the fallback; None: rollouts use base_url.
+    direct_url: str | None = None
 
     def spec(self, model: str, cfg: HamoConfig, *, seed: int | None, retrieval: bool = False) -> PolicySpec:
         """The ``PolicySpec`` rollout actors act with: served ``model``, the run's sampling, the key.
@@ -55,7 +58,8 @@ class Endpoint:
             retrieval: inject the harness's cards (needs a harness).
         """
         return PolicySpec(
-            base_url=self.base_url,
+            base_url=self.direct_url or self.base_url,
+            fallback_url=self.base_url if self.direct_url else None,
             model=model,
             temperature=cfg.rollout.temperature,
             max_tokens=cfg.rollout.max_tokens,
@@ -174,7 +178,13 @@ class Services:
             parts = urlsplit(url)
             harness_url = f"{parts.scheme}://{parts.netloc}{route}"
             wait_healthy(harness_url, api_key=scfg.api_key)
-        self.endpoint = Endpoint(url, harness_url, scfg.api_key, tokenizer=str(model_path))
+        direct = None
+        if scfg.direct_rollouts and scfg.num_replicas == 1:
+            from hamo_ray.serving import direct_url
+
+            direct = direct_url(url, api_key=scfg.api_key)
+            logger.info("rollouts chat with the replica's own port %s (fallback: %s)", direct, url)
+        self.endpoint = Endpoint(url, harness_url, scfg.api_key, tokenizer=str(model_path), direct_url=direct)
         return self.endpoint
 
     def publish(self, name: str, adapter: str | Path) -> dict:

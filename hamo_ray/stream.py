@@ -153,7 +153,8 @@ class Stream:
         self.services = Services(
             self.cfg, self.folder, self.cfg.method.uses_memory, shared_url=base_url, run_id=self.run_id
         )
-        self.train_group = KeptGroup(self.cfg.train)
+        storage = self.cfg.train.storage or self.folder.path / "ray_train"
+        self.train_group = KeptGroup(self.cfg.train, storage=storage)
         try:
             self.model_path = resolve_backbone(self.cfg, self.folder, self._pool)
             self.endpoint = self.services.start(self.model_path)

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from hamo_ray.config import HamoConfig, env_sections, upgrade_saved_config
-from hamo_ray.run_folder import _RESUMABLE_KEYS
+from hamo_ray.run_folder import _RESUMABLE_FIELDS, _RESUMABLE_KEYS
 from hamo_ray.sweep_grid import SweepConfig
 
 logger = logging.getLogger("hamo_ray.sweep")
@@ -175,7 +175,7 @@ def stale_keys(exported: str | Path, cfg: HamoConfig) -> list[str]:
             continue
         got = _mapping(saved.get(section))
         for key, value in values.items():
-            if f"{section}.{key}" == "run.root":
+            if f"{section}.{key}" in _RESUMABLE_FIELDS:
                 continue
             default = defaults.get(section, {}).get(key)
             if section == "env" and key in domains:  # a domain's settings: one key at a time

@@ -111,6 +111,16 @@ class TrainConfig(_Cfg):
     # Liger's fused Triton kernels for RMSNorm, SwiGLU and RoPE (CUDA only; needs liger-kernel installed).
     liger: bool = False
     keep_workers: bool = True  # one training worker group (and loaded base model) for the whole stream
+    # "ray_train": the stages train inside one long-lived Ray Train run (TorchTrainer; failures restart
+    # its worker group, the interrupted stage is retrained); "actors": a Ray Core actor group of our own
+    # (no failure handling). Both run the same loop (hamo_ray/training/ray_train.py, group.py).
+    engine: Literal["ray_train", "actors"] = "ray_train"
+    max_failures: int = Field(default=2, ge=0)  # ray_train: worker-group restarts (Ray Train's FailureConfig)
+    # ray_train: where the run keeps its per-stage checkpoints (RunConfig.storage_path). None: the run
+    # folder's ray_train/. A plain path counts as the driver node's: a rank 0 on another node then reports
+    # the stage's figures without the checkpoint (the adapter still comes back through Ray); on a cluster
+    # give a URI every node reaches (s3://..., gs://..., or file:// on a shared mount).
+    storage: str | None = None
     dpo_beta: float = Field(default=0.1, gt=0)  # ETO's DPO: the KL weight beta
     dpo_epochs: int = Field(default=1, ge=1)  # ETO's DPO: epochs over the pairs
 
@@ -140,6 +150,10 @@ class ServeConfig(_Cfg):
     probe_tokens: int = 16
     # Safety (hamo_ray/serving/guard.py). jobs/serve.py also takes --api-key or HAMO_API_KEY.
     api_key: str | None = None  # bearer token required on every route; None: open
+    # Rollouts talk to the replica's own port (its /health direct_url), skipping Serve's HTTP proxy, when
+    # the deployment has one replica (0.91-1.07 of vLLM's own server, through the proxy 0.57-0.90); the
+    # proxy route is their fallback if the replica is replaced. More replicas: always the proxy.
+    direct_rollouts: bool = True
     auth_probes: bool = False  # also require the key on /health and /metrics (open by default, as vLLM's)
     max_request_bytes: int = 1_000_000  # larger bodies get 413
     max_tokens_limit: int = 4096  # a request asking for more max_tokens gets 400

@@ -16,11 +16,14 @@ from hamo_ray.types import Card
 class PolicySpec:
     """How rollout actors act: which endpoint, which served model, which sampling, which harness."""
 
-    base_url: str  # the policy endpoint, e.g. http://127.0.0.1:8000
+    base_url: str  # the policy endpoint, e.g. http://127.0.0.1:8000 (or one replica's own port)
     model: str  # served model name: the base or a stage adapter
     temperature: float = 0.7
     max_tokens: int = 32
     harness_url: str | None = None  # experience retrieval; None: no injected experience
+    # Where chats go when base_url (a replica's own port) refuses connections: Serve's route, which
+    # reaches the replica that replaced it. None: no fallback.
+    fallback_url: str | None = None
     top_k: int = 2
     timeout_s: float = 120.0
     seed: int | None = None
@@ -42,6 +45,7 @@ class PolicyClient:
         import httpx
 
         self.spec = spec
+        self.url = spec.base_url
         headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
         self._http = httpx.AsyncClient(
             timeout=spec.timeout_s, limits=httpx.Limits(max_connections=256), headers=headers
@@ -59,7 +63,15 @@ class PolicyClient:
             body["chat_template_kwargs"] = self.spec.chat_template_kwargs
         if seed is not None:
             body["seed"] = seed
-        resp = await self._http.post(f"{self.spec.base_url}/v1/chat/completions", json=body)
+        import httpx
+
+        try:
+            resp = await self._http.post(f"{self.url}/v1/chat/completions", json=body)
+        except httpx.ConnectError:
+            if not self.spec.fallback_url or self.url == self.spec.fallback_url:
+                raise
+            self.url = self.spec.fallback_url  # the replica is gone: Serve's route from now on
+            resp = await self._http.post(f"{self.url}/v1/chat/completions", json=body)
         if resp.status_code != 200:
             raise RuntimeError(f"policy endpoint answered {resp.status_code}: {resp.text[:300]}")
         data = resp.json()

@@ -217,10 +217,25 @@ def read_files(folder: str | Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir()) if p.is_file()}
 
 
+def make_group(tcfg: TrainConfig, name: str = "hamo-train", storage: str | Path | None = None):
+    """A training group for ``tcfg.engine``: a long-lived Ray Train run (``ray_train``, the default;
+    ``storage``: where Ray Train keeps it) or a :class:`TrainerGroup` of Ray actors (``actors``).
+
+    Both have ``train_bc(job)``, ``train_dpo(job)``, ``shutdown()`` and ``startup_s``.
+    """
+    if tcfg.engine == "ray_train":
+        from hamo_ray.training.ray_train import RayTrainGroup
+
+        return RayTrainGroup(tcfg, name=name, storage=storage)
+    return TrainerGroup(tcfg, name=name)
+
+
 class KeptGroup:
     """The training group an owner (a stream) keeps across its stages: started on first use, closed by it.
 
-    ``get()`` is None without ``train.keep_workers`` (every stage then starts a group of its own)::
+    ``get()`` is None without ``train.keep_workers`` (every stage then starts a group of its own).
+    The group is ``make_group``'s for ``train.engine``; ``storage`` is where a Ray Train run keeps its
+    checkpoints (a stream: its run folder's ``ray_train/``)::
 
         kept = KeptGroup(cfg.train)
         try:
@@ -230,16 +245,16 @@ class KeptGroup:
             kept.close()
     """
 
-    def __init__(self, tcfg: TrainConfig) -> None:
-        self.tcfg = tcfg
-        self.group: TrainerGroup | None = None
+    def __init__(self, tcfg: TrainConfig, storage: str | Path | None = None) -> None:
+        self.tcfg, self.storage = tcfg, storage
+        self.group: Any = None
 
-    def get(self) -> TrainerGroup | None:
+    def get(self) -> Any:
         """The kept group, started on first use; None without ``keep_workers``."""
         if not self.tcfg.keep_workers:
             return None
         if self.group is None:
-            self.group = TrainerGroup(self.tcfg)
+            self.group = make_group(self.tcfg, storage=self.storage)
         return self.group
 
     def close(self) -> None:

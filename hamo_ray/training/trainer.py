@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -158,12 +159,12 @@ def on_group(
     Returns:
         Its ``TrainResult``, ``startup_s`` the call's wall time outside the training loop.
     """
-    from hamo_ray.training.group import TrainerGroup
+    from hamo_ray.training.group import make_group
 
     wall = time.perf_counter()
     own = group is None
     if own:
-        group = TrainerGroup(tcfg, name=f"{name}-group")
+        group = make_group(tcfg, name=re.sub(r"[^A-Za-z0-9_.-]+", "-", name) + "-group")
     try:
         result = train(group)
     finally:

@@ -93,13 +93,17 @@ def test_packed_equals_padded_on_cuda(backbone, bf16):
         assert packing.prepare_varlen(), "torch's varlen flash attention is unusable here (per-sequence SDPA)"
 
 
-def test_bc_stages_on_one_gpu_group(ray_gpu, backbone, tmp_path):
-    """Two behavioural-cloning stages (DDP strategy, bf16, packed) on one group: the second starts fast."""
-    from hamo_ray.training.group import TrainerGroup
+@pytest.mark.parametrize("engine", ["ray_train", "actors"])
+def test_bc_stages_on_one_gpu_group(ray_gpu, backbone, tmp_path, engine):
+    """Two behavioural-cloning stages (DDP strategy, bf16, packed) on one group: the second starts fast.
+
+    ``ray_train``: one long-lived Ray Train run (NCCL process group, Ray Train's device); ``actors``: the
+    Ray Core actor group."""
+    from hamo_ray.training.group import make_group
     from hamo_ray.training.trainer import train_model
 
-    tcfg = TrainConfig(use_gpu=True, target_modules=TARGETS, batch_size=4, cpus_per_worker=1)
-    group = TrainerGroup(tcfg)
+    tcfg = TrainConfig(use_gpu=True, target_modules=TARGETS, batch_size=4, cpus_per_worker=1, engine=engine)
+    group = make_group(tcfg, storage=tmp_path / "ray_train")
     try:
         r1 = train_model(
             backbone, _examples(32), tmp_path / "s1", tcfg, pad_id=0, epochs=2, lr=2e-3, group=group

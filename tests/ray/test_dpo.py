@@ -29,17 +29,18 @@ def _traj(v: int, actions: list[str], score: float) -> Trajectory:
     )
 
 
-def test_dpo_raises_the_chosen_margin(ray_session, tmp_path):
+@pytest.mark.parametrize("engine", ["ray_train", "actors"])
+def test_dpo_raises_the_chosen_margin(ray_session, tmp_path, engine):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hamo_ray.training.group import TrainerGroup
+    from hamo_ray.training.group import make_group
     from hamo_ray.training.loop import ModelSpec, load_model
     from hamo_ray.training.tiny_lm import make_random_backbone
 
     base = make_random_backbone(tmp_path / "base")
     tok = AutoTokenizer.from_pretrained(base)
-    tcfg = TrainConfig(lr=5e-3, dpo_epochs=3, dpo_beta=0.2)
+    tcfg = TrainConfig(lr=5e-3, dpo_epochs=3, dpo_beta=0.2, engine=engine)
     init = get_peft_model(
         AutoModelForCausalLM.from_pretrained(base),
         LoraConfig(r=16, lora_alpha=32, target_modules=list(tcfg.target_modules)),
@@ -58,7 +59,7 @@ def test_dpo_raises_the_chosen_margin(ray_session, tmp_path):
             sums = trajectory_logprobs(lm.eval(), encoded)
         return float((sums[:, 0] - sums[:, 1]).sum())
 
-    group = TrainerGroup(tcfg)
+    group = make_group(tcfg, storage=tmp_path / "ray_train")
     try:
         result = train_dpo(
             str(base),

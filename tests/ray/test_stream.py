@@ -69,6 +69,10 @@ def test_run_folder_contents(finished_run):
     metrics = json.loads((run / "results" / "metrics.json").read_text())
     assert metrics["num_stages"] == 2 and "scienceworld" in metrics["average"]
     assert (run / "config.yaml").exists() and (run / "state.json").exists()
+    # The stages trained inside one Ray Train run (train.engine=ray_train), its last checkpoint stage 2's.
+    (train_run,) = (run / "ray_train").iterdir()
+    ckpts = sorted(p.name for p in train_run.iterdir() if p.is_dir() and p.name.startswith("checkpoint_"))
+    assert len(ckpts) == 1 and (train_run / ckpts[0] / "adapter" / "adapter_config.json").exists()
     # Every evaluated test task has exactly one episode per stage.
     for stage in (1, 2):
         episodes = (run / "episodes" / f"stage-{stage}-scienceworld.jsonl").read_text().splitlines()

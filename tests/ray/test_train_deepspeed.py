@@ -96,15 +96,17 @@ def test_gradient_checkpointing_is_compatible_with_lora(backbone):
     assert grads and all(g is not None and torch.count_nonzero(g) > 0 for g in grads)
 
 
-def test_workers_live_across_stages(ray_session, backbone, tmp_path):
+@pytest.mark.parametrize("engine", ["ray_train", "actors"])
+def test_workers_live_across_stages(ray_session, backbone, tmp_path, engine):
     """One group, three stages: the model loads once, later stages start in seconds and chain adapters.
 
-    The group is kept as the stream keeps it (``KeptGroup``: started on first use, closed by its owner).
+    The group is kept as the stream keeps it (``KeptGroup``: started on first use, closed by its owner),
+    on either engine: one long-lived Ray Train run (the default) or the Ray Core actor group.
     """
     from hamo_ray.training.group import KeptGroup
     from hamo_ray.training.trainer import train_model
 
-    tcfg = TrainConfig(lora_r=8, lora_alpha=16, target_modules=TARGETS, batch_size=4)
+    tcfg = TrainConfig(lora_r=8, lora_alpha=16, target_modules=TARGETS, batch_size=4, engine=engine)
     assert KeptGroup(tcfg.model_copy(update={"keep_workers": False})).get() is None
     kept = KeptGroup(tcfg)
     group = kept.get()

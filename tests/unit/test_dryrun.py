@@ -83,8 +83,18 @@ def _overrides(preset: Path, sources: dict, model: Path) -> list[str]:
     return over
 
 
+# The paper presets of other sizes differ from the 8B ones only in the model and its sizes: their
+# dry runs (~8 s each) run with -m slow; every preset's config is still validated by test_cluster_presets.
+OTHER_SIZES = ("paper-qwen3-1.7b-", "paper-qwen3-4b-", "paper-qwen3-14b-within", "paper-qwen3-14b-cross.yaml")
+
+
+def _preset_param(p: Path):
+    slow = any(p.name.startswith(prefix) or p.name == prefix for prefix in OTHER_SIZES)
+    return pytest.param(p, id=p.stem, marks=[pytest.mark.slow] if slow else [])
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("preset", PRESETS, ids=[p.stem for p in PRESETS])
+@pytest.mark.parametrize("preset", [_preset_param(p) for p in PRESETS])
 def test_every_preset_passes_the_dry_run(preset: Path, sources, qwen3_folder, capsys) -> None:
     if preset.stem.startswith("sweep"):
         assert (

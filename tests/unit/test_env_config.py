@@ -259,6 +259,27 @@ def test_a_sweep_export_saved_in_the_old_layout_is_not_stale(tmp_path):
     assert stale_keys(export, changed) == ["env.alfworld.seed"]
 
 
+def test_the_training_engine_may_change_on_resume_and_in_an_export(tmp_path):
+    """train.engine, max_failures, storage, keep_workers change how a stage trains, not what it computes."""
+    from hamo_ray.run_folder import RunFolder
+    from hamo_ray.sweep import stale_keys
+
+    cfg = load_config(TINY_CROSS, [f"run.root={tmp_path}", "run.id=r2", "train.engine=actors"])
+    folder = _run_folder(tmp_path, cfg)
+    moved = [
+        "train.engine=ray_train",
+        "train.max_failures=5",
+        f"train.storage={tmp_path}/rt",
+        "train.keep_workers=false",
+    ]
+    again = load_config(TINY_CROSS, [f"run.root={tmp_path}", "run.id=r2", *moved])
+    assert [s.stage for s in RunFolder(folder.path, again).prepare()] == [1]
+    assert stale_keys(folder.path, again) == []
+    assert stale_keys(
+        folder.path, load_config(TINY_CROSS, [f"run.root={tmp_path}", "run.id=r2", "train.lr=0.1"])
+    ) == ["train.lr"]
+
+
 # -- the presets --------------------------------------------------------------------------------------
 
 

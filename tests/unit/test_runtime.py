@@ -56,6 +56,14 @@ def test_spec_carries_the_key_and_the_harness_only_with_retrieval(tmp_path):
     client = PolicyClient(spec)
     assert client._http.headers["Authorization"] == "Bearer k1"
     assert "Authorization" not in PolicyClient(Endpoint("http://h:1").spec("b", cfg, seed=0))._http.headers
+    assert spec.base_url == "http://h:1" and spec.fallback_url is None
+
+
+def test_spec_sends_chats_to_the_replicas_own_port_with_the_route_as_fallback():
+    cfg = load_config(None, [])
+    spec = Endpoint("http://h:1/policy", "http://h:1/harness", direct_url="http://h:5").spec("m", cfg, seed=0)
+    assert (spec.base_url, spec.fallback_url) == ("http://h:5", "http://h:1/policy")
+    assert cfg.serve.direct_rollouts and cfg.serve.num_replicas == 1  # the default: one replica, direct
 
 
 def _folder(tmp_path, *overrides):
