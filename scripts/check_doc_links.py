@@ -262,6 +262,8 @@ class Checker:
             self.counts["skipped"] += 1  # a placeholder or a glob
         elif (cand in PENDING or cand.rstrip("/") + "/" in PENDING) and not exists(cand):
             self.pending.add(cand.rstrip("/") + "/" if cand.rstrip("/") + "/" in PENDING else cand)
+        elif cand.startswith("results/") and cand.count("/") == 1 and "." in cand:
+            self.counts["skipped"] += 1  # a run folder's results/<file>; the repository's are results/<sweep>/
         elif "/" in cand and cand.split("/")[0] in self.top:
             self.counts["paths"] += 1
             if not exists(cand):

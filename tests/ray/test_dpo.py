@@ -29,7 +29,8 @@ def _traj(v: int, actions: list[str], score: float) -> Trajectory:
     )
 
 
-@pytest.mark.parametrize("engine", ["ray_train", "actors"])
+# The actor group here; DPO through a Ray Train run with -m slow (and in the slow ETO stream).
+@pytest.mark.parametrize("engine", [pytest.param("ray_train", marks=pytest.mark.slow), "actors"])
 def test_dpo_raises_the_chosen_margin(ray_session, tmp_path, engine):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -144,6 +144,7 @@ def test_full_history_hits_the_prefix_cache(server, tokenizer):
     assert rate is not None and rate > 0.6, rate
 
 
+@pytest.mark.slow  # ~40 s; measures that SmolLM2 cannot distil (every card falls back), docs/memory.md
 def test_llm_distiller_writes_cards_on_smollm2(server):
     """The strategy-level distiller against the real served model: numbered steps or a counted fallback."""
     import numpy as np

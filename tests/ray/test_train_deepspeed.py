@@ -96,7 +96,8 @@ def test_gradient_checkpointing_is_compatible_with_lora(backbone):
     assert grads and all(g is not None and torch.count_nonzero(g) > 0 for g in grads)
 
 
-@pytest.mark.parametrize("engine", ["ray_train", "actors"])
+# The Ray Train run's own stages-on-one-run test is tests/ray/test_train_ray.py; here with -m slow.
+@pytest.mark.parametrize("engine", [pytest.param("ray_train", marks=pytest.mark.slow), "actors"])
 def test_workers_live_across_stages(ray_session, backbone, tmp_path, engine):
     """One group, three stages: the model loads once, later stages start in seconds and chain adapters.
 

@@ -46,51 +46,22 @@ def _adapter_files(folder) -> set[str]:
     return {p.name for p in folder.iterdir()}
 
 
-def test_stages_share_one_ray_train_run(ray_session, base, tmp_path):
-    """Two stages and a DPO-free restart-free run: one Ray Train run, the second stage starts fast."""
-    from hamo_ray.training.group import make_group
-
-    tcfg = TrainConfig(
-        num_workers=2, cpus_per_worker=0.5, batch_size=4, epochs=1, lr=1e-3, engine="ray_train"
-    )
-    group = make_group(tcfg, name="test-rt", storage=tmp_path / "ray_train")
-    try:
-        r1 = train_model(base, _examples(8), tmp_path / "s1", tcfg, pad_id=0, group=group)
-        r2 = train_model(
-            base, _examples(8, 1), tmp_path / "s2", tcfg, pad_id=0, group=group, init_adapter=r1.path
-        )
-        starts = group.attempts()
-    finally:
-        group.shutdown()
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= _adapter_files(tmp_path / "s2")
-    assert r1.steps > 0 and r2.steps > 0 and r2.loss == r2.loss
-    assert r2.startup_s < 5.0, r2.startup_s  # the model stayed loaded: no new workers, no reload
-    assert sorted((s["seq"], s["rank"]) for s in starts) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert {s["attempt"] for s in starts} == {1}
-    # Ray Train's own record: one run, with the latest stage's adapter as its checkpoint.
-    runs = list((tmp_path / "ray_train").iterdir())
-    assert len(runs) == 1 and runs[0].name.startswith("test-rt-")
-    ckpts = sorted(p.name for p in runs[0].iterdir() if p.is_dir() and p.name.startswith("checkpoint_"))
-    assert ckpts == ["checkpoint_job0001"], ckpts
-    assert (runs[0] / ckpts[0] / "adapter" / "adapter_config.json").exists()
-    assert group.error is None
-
-
-def test_a_worker_killed_mid_stage_is_retrained_once(ray_session, base, tmp_path):
-    """SIGKILL a training worker during stage 2: Ray Train restarts the group, stage 2 is retrained from
-    its start, exactly one adapter comes back, and stage 3 trains on the restarted group."""
+def test_stages_share_one_run_and_a_killed_worker_is_retrained_once(ray_session, base, tmp_path):
+    """Four stages on one Ray Train run. Stage 2 starts fast on the same workers (the model stays
+    loaded); rank 1 is SIGKILLed during stage 3: Ray Train restarts the group, stage 3 is retrained from
+    its start, exactly one adapter comes back, and stage 4 trains on the restarted group."""
     from hamo_ray.training.group import make_group
 
     tcfg = TrainConfig(
         num_workers=2,
         cpus_per_worker=0.5,
         batch_size=2,
-        epochs=3,
+        epochs=1,
         lr=1e-3,
         engine="ray_train",
         max_failures=1,
     )
-    group = make_group(tcfg, name="test-kill", storage=tmp_path / "ray_train")
+    group = make_group(tcfg, name="test-rt", storage=tmp_path / "ray_train")
     killed: list[int] = []
 
     def kill_rank1_in_job(seq: int) -> None:
@@ -104,28 +75,46 @@ def test_a_worker_killed_mid_stage_is_retrained_once(ray_session, base, tmp_path
                 return
             time.sleep(0.1)
 
+    def stage(k: int, n: int, prev=None, epochs: int = 1):
+        return train_model(base, _examples(n, k), tmp_path / f"s{k}", tcfg, pad_id=0, group=group,
+                           init_adapter=prev, epochs=epochs)  # fmt: skip
+
     try:
-        r1 = train_model(base, _examples(8), tmp_path / "s1", tcfg, pad_id=0, group=group)
-        killer = threading.Thread(target=kill_rank1_in_job, args=(1,))
+        r1 = stage(1, 8)
+        r2 = stage(2, 8, r1.path)
+        before_kill = group.attempts()
+        killer = threading.Thread(target=kill_rank1_in_job, args=(2,))
         killer.start()
-        r2 = train_model(
-            base, _examples(24, 1), tmp_path / "s2", tcfg, pad_id=0, group=group, init_adapter=r1.path
-        )
+        r3 = stage(3, 24, r2.path, epochs=3)
         killer.join()
-        r3 = train_model(
-            base, _examples(8, 2), tmp_path / "s3", tcfg, pad_id=0, group=group, init_adapter=r2.path
-        )
+        r4 = stage(4, 8, r3.path)
         starts = group.attempts()
     finally:
         group.shutdown()
-    assert killed, "the worker was never seen in stage 2"
-    job2 = sorted((s["attempt"], s["rank"]) for s in starts if s["seq"] == 1)
-    assert job2 == [(1, 0), (1, 1), (2, 0), (2, 1)], job2  # begun, killed, retrained from its start
-    assert {s["attempt"] for s in starts if s["seq"] == 2} == {2}
+    # One run, stages chained, the second on the same loaded workers.
+    assert r2.startup_s < 5.0, r2.startup_s
+    assert sorted((s["seq"], s["rank"], s["attempt"]) for s in before_kill) == [
+        (0, 0, 1), (0, 1, 1), (1, 0, 1), (1, 1, 1)
+    ]  # fmt: skip
+    # The kill: begun, killed, retrained from its start by a new group; the next stage on that group.
+    assert killed, "the worker was never seen in stage 3"
+    job3 = sorted((s["attempt"], s["rank"]) for s in starts if s["seq"] == 2)
+    assert job3 == [(1, 0), (1, 1), (2, 0), (2, 1)], job3
+    assert {s["attempt"] for s in starts if s["seq"] == 3} == {2}
     assert killed[0] not in {s["pid"] for s in starts if s["attempt"] == 2}
-    for r, folder in ((r1, "s1"), (r2, "s2"), (r3, "s3")):
-        assert r.path == str(tmp_path / folder) and r.steps > 0
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("s")) == ["s1", "s2", "s3"]
+    for k, r in enumerate((r1, r2, r3, r4), start=1):
+        assert r.path == str(tmp_path / f"s{k}") and r.steps > 0 and r.loss == r.loss
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= _adapter_files(tmp_path / f"s{k}")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("s")) == ["s1", "s2", "s3", "s4"]
+    # Ray Train's own record: one run, the latest stage's adapter as its checkpoint.
+    (run,) = (tmp_path / "ray_train").iterdir()
+    assert run.name.startswith("test-rt-")
+    ckpts = sorted(p.name for p in run.iterdir() if p.is_dir() and p.name.startswith("checkpoint_"))
+    # num_to_keep=1 keeps the latest; the restarted group's manager keeps the first group's last too.
+    assert ckpts[-1] == "checkpoint_job0003" and set(ckpts) <= {"checkpoint_job0001", "checkpoint_job0003"}, (
+        ckpts
+    )
+    assert (run / ckpts[-1] / "adapter" / "adapter_config.json").exists()
     assert group.error is None
 
 
