@@ -117,6 +117,7 @@ class StageBroker:
         if seq in self.results:
             return False
         self.results[seq] = result
+        self.jobs[seq] = (self.jobs[seq][0], None)  # a closed job is never asked again: free its rows
         await self._notify()
         return True
 
@@ -132,6 +133,7 @@ class StageBroker:
         return self.results[seq]
 
     def job_of(self, seq: int) -> tuple[str, Any]:
+        """Job ``seq`` while it is open (a finished one keeps only its kind)."""
         return self.jobs[seq]
 
     def error(self, err: WorkerError) -> None:
