@@ -68,12 +68,11 @@ def test_stages_share_one_run_and_a_killed_worker_is_retrained_once(ray_session,
         deadline = time.time() + 300
         while time.time() < deadline:
             rows = [s for s in group.attempts() if s["seq"] == seq and s["rank"] == 1]
-            if rows:
-                time.sleep(1.0)  # inside the stage's steps (it lasts several seconds)
+            if rows:  # the job is taken and not finished: kill now (a quiet machine trains it in seconds)
                 os.kill(rows[0]["pid"], signal.SIGKILL)
                 killed.append(rows[0]["pid"])
                 return
-            time.sleep(0.1)
+            time.sleep(0.02)
 
     def stage(k: int, n: int, prev=None, epochs: int = 1):
         return train_model(base, _examples(n, k), tmp_path / f"s{k}", tcfg, pad_id=0, group=group,
@@ -85,7 +84,7 @@ def test_stages_share_one_run_and_a_killed_worker_is_retrained_once(ray_session,
         before_kill = group.attempts()
         killer = threading.Thread(target=kill_rank1_in_job, args=(2,))
         killer.start()
-        r3 = stage(3, 24, r2.path, epochs=3)
+        r3 = stage(3, 96, r2.path, epochs=3)
         killer.join()
         r4 = stage(4, 8, r3.path)
         starts = group.attempts()
@@ -129,13 +128,12 @@ def test_failures_spent_raise_a_clear_error(ray_session, base, tmp_path):
     group = make_group(tcfg, name="test-spent", storage=tmp_path / "ray_train")
 
     def kill_first() -> None:
-        for _ in range(3000):
+        for _ in range(15000):
             rows = group.attempts()
-            if rows:
-                time.sleep(0.5)
+            if rows:  # the job is taken: kill before it can finish
                 os.kill(rows[0]["pid"], signal.SIGKILL)
                 return
-            time.sleep(0.1)
+            time.sleep(0.02)
 
     killer = threading.Thread(target=kill_first)
     killer.start()
@@ -173,12 +171,11 @@ def test_a_stream_survives_a_training_worker_killed_mid_stage(ray_session, tmp_p
         while time.time() < deadline:
             group = getattr(stream.train_group, "group", None) if stream.train_group else None
             rows = [s for s in group.attempts() if s["seq"] == 1 and s["rank"] == 1] if group else []
-            if rows:
-                time.sleep(0.5)
+            if rows:  # stage 2's job is taken and not finished
                 os.kill(rows[0]["pid"], signal.SIGKILL)
                 killed.append(rows[0]["pid"])
                 return
-            time.sleep(0.2)
+            time.sleep(0.05)
 
     killer = threading.Thread(target=kill_in_stage_2, daemon=True)
     killer.start()
@@ -186,7 +183,7 @@ def test_a_stream_survives_a_training_worker_killed_mid_stage(ray_session, tmp_p
     killer.join(timeout=5)
     assert killed, "no training worker was seen in stage 2"
     assert [r.stage for r in results] == [1, 2] == list(range(1, cfg.protocol.num_stages + 1))
-    adapters = sorted(p.name for p in (tmp_path / "k" / "adapters").iterdir())
+    adapters = sorted(p.name for p in (tmp_path / "k" / "adapters").iterdir() if p.is_dir())  # no .tmp left
     assert adapters == ["stage-1", "stage-2"], adapters
     state = json.loads((tmp_path / "k" / "state.json").read_text())
     assert [s["stage"] for s in state["stages"]] == [1, 2]
