@@ -1,7 +1,7 @@
 """The training engine on Ray Train: one long-lived ``TorchTrainer`` run serves every stage of a stream.
 
-Ray Train's worker group starts once (35-45 s on an H200, a few seconds on CPU) and then lives for the
-whole stream. Its training function loads the base model once and serves stage jobs that the driver
+Ray Train's worker group starts once (35-45 s on an H200; 43-55 s with the first model load on 2 busy CPU
+cores) and then lives for the whole stream. Its training function loads the base model once and serves stage jobs that the driver
 hands to a small broker actor; each stage is the same shared loop as on the actor group
 (``trainer.bc_stage`` for behavioural cloning, ``dpo.dpo_stage`` for ETO's DPO), on Ray Train's own
 process group (gloo on CPU, NCCL on GPUs, DeepSpeed ZeRO over it)::
