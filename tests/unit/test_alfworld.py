@@ -46,7 +46,7 @@ def _cfg(games_dir: Path, **kw) -> EnvConfig:
     )
 
 
-# The generator's time differs by variation (it searches a room where the task is feasible): measured on
+# The generator's time differs by variation (it retries until the expert wins the game): measured on
 # 2 cores, pick_two_obj variations 0-4 took 35, 10, 68, 2 and 103 s, pick_heat 12, 6, 2, 9 and 2 s. The
 # fixture takes a quick one of those two types (the others are 0-7 s at variation 0).
 QUICK = {"pick_two_obj_and_place": 3, "pick_heat_then_place_in_recep": 2}
