@@ -63,6 +63,39 @@ def parse_reply(text: str, reply_format: str = "action") -> tuple[str, str]:
     return "", _first_line(text)
 
 
+_REGEX_SPECIAL = frozenset("\\.^$*+?{}[]()|")
+# A template slot in a listed action, e.g. WebShop's ``search[<keywords>]``: up to 60 characters of
+# words (letters, digits, spaces, ``,.&'/+-``), so a search ends well within a reply's token limit
+# and reads back unchanged (no control or odd whitespace characters that ``parse_reply`` would cut).
+_SLOT = re.compile(r"<[A-Za-z][A-Za-z _-]*>")
+SLOT_PATTERN = r"[A-Za-z0-9][A-Za-z0-9 ,.&'/+-]{0,59}"
+THOUGHT_PATTERN = r"[^\n]{0,400}"
+
+
+def _escape(text: str) -> str:
+    return "".join("\\" + c if c in _REGEX_SPECIAL else c for c in text)
+
+
+def action_regex(actions: list[str], reply_format: str = "action") -> str | None:
+    """A regular expression a reply in ``reply_format`` must match to hold one of ``actions``.
+
+    ``actions``: the environment's admissible commands now (``Env.valid_actions()``); a template slot
+    in one (``<keywords>``) matches up to 60 characters of words (``SLOT_PATTERN``). ``react``: ``Thought: `` and
+    one line, then ``Action: `` and a command. The reply is what ``parse_reply`` reads back to that
+    command (no reasoning block). None when ``actions`` is empty (nothing to constrain to).
+    """
+    if reply_format not in ("action", "react"):
+        raise ValueError(f"prompt.reply_format must be 'action' or 'react', got {reply_format!r}")
+    alternatives = []
+    for action in dict.fromkeys(" ".join(a.split()) for a in actions):
+        if action:
+            alternatives.append(SLOT_PATTERN.join(_escape(part) for part in _SLOT.split(action)))
+    if not alternatives:
+        return None
+    choice = "(" + "|".join(alternatives) + ")"
+    return f"Thought: {THOUGHT_PATTERN}\nAction: {choice}" if reply_format == "react" else choice
+
+
 def clean_action(text: str, reply_format: str = "action") -> str:
     """The action in a model reply (see ``parse_reply``): never a reasoning tag, never multi-line."""
     return parse_reply(text, reply_format)[1]

@@ -261,15 +261,19 @@ def dry_run(cfg: HamoConfig, out: Callable[[str], None] = print) -> DryRunReport
     """
     from hamo_ray.envs import get_domain
     from hamo_ray.envs.sources import check_data_sources
-    from hamo_ray.stream import check_model_path
+    from hamo_ray.stream import check_action_constraint, check_model_path
 
     report = DryRunReport()
     p = cfg.protocol
     out(f"dry run: method {cfg.method.name}, {p.kind} over {cfg.domains()}, {p.stages} stages, "
         f"experts from {cfg.env.expert_source}, model {cfg.model.path}")  # fmt: skip
     check_model_path(cfg.model.path)
-    for name in cfg.domains():
-        get_domain(name, cfg.env).check_task_types(cfg.task_types(name))
+    domains = {name: get_domain(name, cfg.env) for name in cfg.domains()}
+    for name, domain in domains.items():
+        domain.check_task_types(cfg.task_types(name))
+    if cfg.rollout.constrain_actions:
+        free = check_action_constraint(cfg, domains)
+        out(f"replies constrained to the admissible commands in {sorted(set(domains) - set(free))}")
     out("\n=== data sources")
     for source in check_data_sources(cfg):
         report.sources.append(source.line())

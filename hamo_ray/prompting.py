@@ -38,7 +38,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from hamo_ray.chat import clean_action, encode_chat, encode_example, parse_reply, strip_reasoning
+from hamo_ray.chat import (
+    action_regex,
+    clean_action,
+    encode_chat,
+    encode_example,
+    parse_reply,
+    strip_reasoning,
+)
 from hamo_ray.config import PromptConfig
 from hamo_ray.envs.prompts import DomainPrompt, get_prompt
 from hamo_ray.types import Card, Trajectory
@@ -47,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "INSTRUCTION",
+    "action_regex",
     "build_messages",
     "clean_action",
     "encode_chat",

@@ -40,6 +40,16 @@ logger = logging.getLogger(__name__)
 _RESUMABLE_KEYS = {"run", "ray", "serve", "rollout"}
 # Keys outside those sections that change how a stage is computed, not what it computes.
 _RESUMABLE_FIELDS = {"train.engine", "train.max_failures", "train.storage", "train.keep_workers"}
+# Keys inside those sections that do change what is computed: a resume must keep them.
+_IDENTITY_FIELDS = {"rollout.constrain_actions"}
+
+
+def compared(section: str, key: str) -> bool:
+    """Whether a resumed run (or a sweep's exported cell) must hold the same ``section.key``."""
+    dotted = f"{section}.{key}"
+    if dotted in _IDENTITY_FIELDS:
+        return True
+    return section not in _RESUMABLE_KEYS and dotted not in _RESUMABLE_FIELDS
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -140,9 +150,9 @@ class RunFolder:
         diffs = [
             f"{section}.{key}"
             for section, values in now.items()
-            if section not in _RESUMABLE_KEYS
+            if isinstance(values, dict)
             for key, value in values.items()
-            if f"{section}.{key}" not in _RESUMABLE_FIELDS
+            if compared(section, key)
             and saved.get(section, {}).get(key, defaults.get(section, {}).get(key)) != value
         ]
         if diffs:

@@ -71,6 +71,7 @@ class Endpoint:
             chat_template_kwargs=cfg.model.template_kwargs(),
             tokenizer=self.tokenizer,
             prompt_budget=cfg.model.max_model_len - cfg.rollout.max_tokens,
+            constrain_actions=cfg.rollout.constrain_actions,
         )
 
 

@@ -63,6 +63,28 @@ def check_model_path(path: str) -> None:
         )
 
 
+def check_action_constraint(cfg: HamoConfig, domains: dict) -> list[str]:
+    """With ``rollout.constrain_actions``, the run's domains whose replies stay free (they do not list
+    their actions cheaply: ScienceWorld); logged. No constraint at all is an error, not a silent no-op.
+
+    Raises:
+        ConfigError: ``rollout.constrain_actions`` on a run none of whose domains lists its actions.
+    """
+    if not cfg.rollout.constrain_actions:
+        return []
+    free = [name for name, domain in domains.items() if not domain.lists_actions]
+    if len(free) == len(domains):
+        raise ConfigError(
+            f"rollout.constrain_actions: none of this run's domains ({', '.join(free)}) lists its admissible "
+            "actions cheaply (alfworld, webshop and textworld do); set it to false"
+        )
+    if free:
+        logger.info(
+            "rollout.constrain_actions: replies stay free in %s (no cheap action list)", ", ".join(free)
+        )
+    return free
+
+
 class Stream:
     """Runs the stages of one run folder; resumes after the last committed stage.
 
@@ -86,6 +108,7 @@ class Stream:
         self.domains = {name: get_domain(name, cfg.env) for name in cfg.domains()}
         for name, domain in self.domains.items():
             domain.check_task_types(cfg.task_types(name))
+        check_action_constraint(cfg, self.domains)
         self.run_id = cfg.run.id or f"{config_name}-{cfg.method.name}-s{cfg.run.seed}"
         self.folder = RunFolder(Path(cfg.run.root) / self.run_id, cfg)
         self.stage_domains = list(p.order) if p.kind == "cross_domain" else [cfg.env.domain] * p.num_stages

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from hamo_ray.config import HamoConfig, env_sections, upgrade_saved_config
-from hamo_ray.run_folder import _RESUMABLE_FIELDS, _RESUMABLE_KEYS
+from hamo_ray.run_folder import compared
 from hamo_ray.sweep_grid import SweepConfig
 
 logger = logging.getLogger("hamo_ray.sweep")
@@ -149,7 +149,8 @@ def save_export(results: str | Path, name: str, run_folder: str | Path) -> Path 
 
 def stale_keys(exported: str | Path, cfg: HamoConfig) -> list[str]:
     """The dotted keys in which an export's config differs from ``cfg``, ignoring those a resume may
-    change (the sections ``run``, ``ray``, ``serve``, ``rollout``, as in ``RunFolder``).
+    change (the sections ``run``, ``ray``, ``serve``, ``rollout`` but ``rollout.constrain_actions``, as in
+    ``RunFolder``; ``run_folder.compared``).
 
     Args:
         exported: an export folder (or its ``config.yaml``).
@@ -171,11 +172,11 @@ def stale_keys(exported: str | Path, cfg: HamoConfig) -> list[str]:
     domains = set(env_sections())
     diffs = []
     for section, values in cfg.model_dump(mode="json").items():
-        if section in _RESUMABLE_KEYS or not isinstance(values, dict):
+        if not isinstance(values, dict):
             continue
         got = _mapping(saved.get(section))
         for key, value in values.items():
-            if f"{section}.{key}" in _RESUMABLE_FIELDS:
+            if not compared(section, key):
                 continue
             default = defaults.get(section, {}).get(key)
             if section == "env" and key in domains:  # a domain's settings: one key at a time

@@ -194,6 +194,11 @@ class RolloutConfig(_Cfg):
     temperature: float = 0.7
     max_tokens: int = 32
     request_timeout_s: float = 120.0
+    # Constrain every policy reply to the environment's admissible commands (vLLM structured outputs,
+    # a regex built by hamo_ray.chat.action_regex), in domains that list them cheaply (ALFWorld,
+    # WebShop, TextWorld; not ScienceWorld, whose combinations run to thousands). Off: the paper's
+    # free-form replies. It changes what the policy can say, so it is part of a run's identity.
+    constrain_actions: bool = False
 
 
 class RayConfig(_Cfg):

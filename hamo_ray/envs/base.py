@@ -60,6 +60,8 @@ class Domain(ABC):
     name: str = ""
     env_memory_mb: int = 200  # resource hint: memory of one environment (rollout actors reserve it)
     thread_safe: bool = True  # False: an actor steps its environments one call at a time
+    # True: valid_actions() is cheap and short enough to constrain every reply to (rollout.constrain_actions)
+    lists_actions: bool = False
 
     def __init__(self, cfg: EnvConfig) -> None:
         self.cfg = cfg

@@ -262,6 +262,7 @@ class TextWorldDomain(Domain):
     # The package's game-logic parser (tatsu) and engine state are process-global: concurrent resets and
     # steps in threads of one process corrupt each other ("pop from empty list", parser MemoKey errors).
     thread_safe = False
+    lists_actions = True  # the game's admissible commands, computed on every step
 
     def task_types(self) -> list[str]:
         return list(CHALLENGES)

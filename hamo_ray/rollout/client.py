@@ -34,6 +34,9 @@ class PolicySpec:
     # folder it is counted with (the backbone's); None: only prompt.history_turns trims the history.
     tokenizer: str | None = None
     prompt_budget: int | None = None
+    # Constrain each reply to the environment's admissible commands where its domain lists them
+    # (rollout.constrain_actions; the actor sends the regex with every chat).
+    constrain_actions: bool = False
     # The endpoint's serve.api_key, sent as a bearer token to both apps (kept out of reprs and logs).
     api_key: str | None = field(default=None, repr=False)
 
@@ -51,8 +54,14 @@ class PolicyClient:
             timeout=spec.timeout_s, limits=httpx.Limits(max_connections=256), headers=headers
         )
 
-    async def act(self, messages: list[dict[str, str]], seed: int | None = None) -> tuple[str, int]:
-        """The model's reply to ``messages`` (raw text; the caller cleans it) and its completion tokens."""
+    async def act(
+        self, messages: list[dict[str, str]], seed: int | None = None, regex: str | None = None
+    ) -> tuple[str, int]:
+        """The model's reply to ``messages`` (raw text; the caller cleans it) and its completion tokens.
+
+        ``regex``: a pattern the reply must match (vLLM's ``structured_outputs``), e.g. the admissible
+        commands (``hamo_ray.chat.action_regex``).
+        """
         body = {
             "model": self.spec.model,
             "messages": messages,
@@ -63,6 +72,8 @@ class PolicyClient:
             body["chat_template_kwargs"] = self.spec.chat_template_kwargs
         if seed is not None:
             body["seed"] = seed
+        if regex is not None:
+            body["structured_outputs"] = {"regex": regex}
         import httpx
 
         try:

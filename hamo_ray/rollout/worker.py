@@ -11,7 +11,9 @@ counted with the backbone's tokenizer and chat template) and the run's prompt co
 retrieved from the harness once per episode and the same cards go into every turn, as in the training examples of that trajectory. The policy
 endpoint only renders the messages with the chat template (``chat_template_kwargs`` sent along),
 so any OpenAI-compatible server (vLLM's own included) can serve rollouts. Replies are parsed in
-``prompt.reply_format`` (``prompting.parse_reply``); react thoughts are kept in the trajectory.
+``prompt.reply_format`` (``prompting.parse_reply``); react thoughts are kept in the trajectory. With
+``rollout.constrain_actions`` each request carries a regex of the admissible commands (``action_regex``),
+in domains that list them (``Domain.lists_actions``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 from hamo_ray.config import EnvConfig, PromptConfig
-from hamo_ray.prompting import ChatRenderer, fit_cards, fit_messages, parse_reply
+from hamo_ray.prompting import ChatRenderer, action_regex, fit_cards, fit_messages, parse_reply
 from hamo_ray.rollout.client import PolicyClient, PolicySpec
 from hamo_ray.types import TaskSpec, Trajectory
 
@@ -141,6 +143,7 @@ class EnvWorker:
                 goal, init_obs, await client.retrieve(goal, init_obs), pcfg, domain=task.domain, fits=fits
             )
             turns = self.env_cfg.max_turns
+            constrain = client.spec.constrain_actions and self.domain.lists_actions
             extra = {"source": "policy", "model": client.spec.model, "cards_used": [c.id for c in cards]}
         for turn in range(turns):
             if client is None:
@@ -150,7 +153,11 @@ class EnvWorker:
                     goal, init_obs, cards, actions, observations, pcfg,
                     domain=task.domain, thoughts=thoughts, start=start, fits=fits,
                 )  # fmt: skip
-                reply, used = await client.act(messages, seed=turn_seed(client.spec.seed, task, turn))
+                regex = None
+                if constrain:  # the admissible commands now, as one pattern the reply must match
+                    regex = action_regex(await self._call(env.valid_actions), pcfg.reply_format)
+                seed = turn_seed(client.spec.seed, task, turn)
+                reply, used = await client.act(messages, seed=seed, regex=regex)
                 tokens += used
                 thought, action = parse_reply(reply, pcfg.reply_format)
                 if react:

@@ -489,6 +489,52 @@ def test_openai_protocol_on_a_stage_adapter(client, server, published):
     assert tokens == served
 
 
+def test_rollouts_constrained_to_the_admissible_commands(server, published, weights):
+    """``rollout.constrain_actions``: a real rollout actor's episodes (WebShop stand-in) on a stage adapter,
+    every reply held to the page's clickables and the search template by vLLM's structured outputs."""
+    import asyncio
+    import re
+    from dataclasses import replace
+
+    from hamo_ray.config import EnvConfig, PromptConfig
+    from hamo_ray.envs.base import get_domain
+    from hamo_ray.prompting import action_regex
+    from hamo_ray.rollout.client import PolicySpec
+    from hamo_ray.rollout.worker import EnvWorker
+
+    env_cfg = EnvConfig(domain="webshop", max_turns=4, webshop={"products": 60})
+    domain = get_domain("webshop", env_cfg)
+    tasks = domain.tasks("train", domain.task_types()[0], limit=2)
+    spec = PolicySpec(
+        base_url=server, model="stage-1", temperature=1.0, max_tokens=80, seed=5, constrain_actions=True,
+        tokenizer=str(weights["base"]), prompt_budget=MODEL.max_model_len - 80,
+    )  # fmt: skip
+
+    def replay(trajectories) -> list[bool]:
+        """Whether each action was admissible where it was taken (the stand-in is deterministic)."""
+        admissible = []
+        for traj in trajectories:
+            assert not traj.error, traj.error
+            env = domain.make_env()
+            env.reset(traj.task)
+            for action in traj.actions:
+                admissible.append(bool(re.fullmatch(action_regex(env.valid_actions()), action)))
+                env.step(action)
+        return admissible
+
+    prompt = PromptConfig(init_obs_max_chars=100, obs_max_chars=60)  # the tiny tokenizer is ~1 token a byte
+    worker = EnvWorker("webshop", env_cfg, prompt, 2)
+    try:
+        constrained = asyncio.run(worker.run(tasks, spec))
+        free = asyncio.run(worker.run(tasks, replace(spec, constrain_actions=False)))
+    finally:
+        worker.close()
+    summary = [(t.actions, t.done, t.error) for t in constrained]
+    assert all(t.actions and (len(t.actions) == 4 or t.done) for t in constrained), summary  # done: bought
+    assert all(replay(constrained))
+    assert not any(replay(free))  # the random model's free text is never a command
+
+
 def test_direct_url_serves_the_same_app(server, published):
     """A replica's own port (no Serve proxy hop): the same models, routes and answers."""
     from hamo_ray.serving import direct_url

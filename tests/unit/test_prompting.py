@@ -412,3 +412,59 @@ def test_format_fingerprint_follows_the_rendered_text(monkeypatch):
     changed = prompts.DomainPrompt(**{**prompts.ALFWORLD.__dict__, "tips": "Other tips."})
     monkeypatch.setitem(prompts.DOMAIN_PROMPTS, "alfworld", changed)
     assert format_fingerprint(full, ["alfworld"]) != before  # text changed, settings did not
+
+
+def test_action_regex_admits_exactly_the_listed_commands():
+    import re
+
+    from hamo_ray.prompting import action_regex, parse_reply
+
+    actions = [
+        "go to cabinet 1",
+        "take a.b (1) from shelf|2",
+        "search[<keywords>]",
+        "click[< Prev]",
+        "go to cabinet 1",
+    ]
+    pattern = action_regex(actions)
+    for action in [
+        "go to cabinet 1",
+        "take a.b (1) from shelf|2",
+        "search[red shoes, size 9]",
+        "click[< Prev]",
+    ]:
+        assert re.fullmatch(pattern, action), action
+        assert parse_reply(action) == ("", action)
+    for other in [
+        "go to cabinet 2",
+        "take axb (1) from shelf|2",
+        "search[]",
+        "search[a]b]",
+        "search[ a]",
+        "search[a\x1cb]",
+        "search[" + "a" * 61 + "]",
+        "look",
+        "click[Next >]",
+    ]:
+        assert not re.fullmatch(pattern, other), other
+    react = action_regex(actions, "react")
+    reply = "Thought: the shoes are red\nAction: search[red shoes]"
+    assert re.fullmatch(react, reply) and parse_reply(reply, "react") == (
+        "the shoes are red",
+        "search[red shoes]",
+    )
+    assert not re.fullmatch(react, "Action: search[red shoes]")
+    assert action_regex([]) is None and action_regex(["  "]) is None
+    with pytest.raises(ValueError, match="reply_format"):
+        action_regex(actions, "json")
+
+
+def test_action_regex_compiles_for_vllm_structured_outputs(capfd):
+    """xgrammar (vLLM's structured-output backend) reads every escape of the pattern as meant."""
+    xgrammar = pytest.importorskip("xgrammar")
+    from hamo_ray.prompting import action_regex
+
+    pattern = action_regex(["put a-b #1 in/on c.2", "click[Buy Now]", "search[<keywords>]"], "react")
+    grammar = str(xgrammar.Grammar.from_regex(pattern))
+    assert '"B" "u" "y"' in grammar and '"#"' in grammar
+    assert "not recognized" not in capfd.readouterr().err  # re.escape("#") would be

@@ -80,3 +80,17 @@ def test_without_a_fallback_the_connect_error_is_raised():
 
     with pytest.raises(httpx.ConnectError):
         asyncio.run(go())
+
+
+def test_a_regex_goes_as_structured_outputs(route):
+    async def go():
+        client = PolicyClient(PolicySpec(base_url=route, model="m"))
+        try:
+            await client.act([{"role": "user", "content": "hi"}])
+            await client.act([{"role": "user", "content": "hi"}], regex="(look|go north)")
+        finally:
+            await client.aclose()
+
+    asyncio.run(go())
+    assert "structured_outputs" not in _Chat.seen[0]
+    assert _Chat.seen[1]["structured_outputs"] == {"regex": "(look|go north)"}

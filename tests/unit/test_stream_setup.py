@@ -32,6 +32,19 @@ def test_missing_model_path_is_named(tmp_path):
         Stream(_cfg(tmp_path, "model.path=/no/such/model"))
 
 
+def test_action_constraint_needs_a_domain_that_lists_its_actions(tmp_path):
+    from hamo_ray.envs import get_domain
+    from hamo_ray.stream import check_action_constraint
+
+    with pytest.raises(ConfigError, match=r"rollout.constrain_actions: .*scienceworld"):
+        Stream(_cfg(tmp_path, "rollout.constrain_actions=true"))  # ScienceWorld alone: nothing to constrain
+    cfg = load_config("jobs/configs/tiny-cross.yaml", ["rollout.constrain_actions=true"])
+    domains = {name: get_domain(name, cfg.env) for name in cfg.domains()}
+    assert check_action_constraint(cfg, domains) == ["scienceworld"]  # ALFWorld and WebShop constrained
+    assert check_action_constraint(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
+        update={"constrain_actions": False})}), domains) == []  # fmt: skip
+
+
 def test_stages_are_disjoint_and_cover_every_task_type(tmp_path):
     stream = Stream(_cfg(tmp_path, "protocol.num_stages=3", "protocol.train_per_task=7"))
     ids = [t.id for stage in stream.stage_tasks for t in stage]
@@ -76,6 +89,10 @@ def test_finished_run_is_not_overwritten_silently(tmp_path):
     changed = _cfg(tmp_path, "run.id=r1", "train.epochs=9")
     with pytest.raises(ConfigError, match="train.epochs"):
         RunFolder(tmp_path / "r1", changed).prepare()
+    # rollout's settings may change on resume, but not the action constraint (what the policy can say).
+    RunFolder(tmp_path / "r1", _cfg(tmp_path, "run.id=r1", "rollout.num_workers=1")).prepare()
+    with pytest.raises(ConfigError, match="rollout.constrain_actions"):
+        RunFolder(tmp_path / "r1", _cfg(tmp_path, "run.id=r1", "rollout.constrain_actions=true")).prepare()
     # A key added to the code after the run started (absent from its config.yaml) is its default: the
     # run resumes; a non-default value for it is a change.
     saved = yaml.safe_load((tmp_path / "r1" / "config.yaml").read_text())

@@ -307,6 +307,7 @@ class AlfWorldDomain(Domain):
     # TextWorld's game-logic parser (tatsu) underneath is process-global: concurrent resets/steps in
     # threads of one process corrupt each other ("pop from empty list"), so an actor steps one at a time.
     thread_safe = False
+    lists_actions = True  # the admissible commands, computed on every step anyway (20-60 of them)
 
     def __init__(self, cfg: EnvConfig) -> None:
         super().__init__(cfg)

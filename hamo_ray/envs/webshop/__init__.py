@@ -55,6 +55,7 @@ class WebShopDomain(Domain):
     """
 
     env_memory_mb = 50  # resource hint per environment (measured well below this)
+    lists_actions = True  # the page's clickables and the search template
 
     def __init__(self, cfg: EnvConfig) -> None:
         super().__init__(cfg)
