@@ -27,7 +27,13 @@ import yaml
 
 from hamo_ray.evaluation.metrics import mean_interval
 
-PAIRS = [("hamo", "model_only"), ("hamo", "harness"), ("hamo", "base"), ("harness", "base")]
+PAIRS = [
+    ("hamo", "model_only"),
+    ("hamo", "agenttuning"),
+    ("hamo", "harness"),
+    ("hamo", "base"),
+    ("harness", "base"),
+]
 METHOD_ORDER = ["base", "harness", "model_only", "agenttuning", "eto", "hamo"]
 
 
