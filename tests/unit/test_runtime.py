@@ -52,6 +52,9 @@ def test_spec_carries_the_key_and_the_harness_only_with_retrieval(tmp_path):
     assert (spec.model, spec.temperature, spec.top_k, spec.seed, spec.api_key) == ("stage-2", 0.3, 4, 5, "k1")
     assert spec.harness_url == "http://h:1/harness"
     assert ep.spec("base", cfg, seed=0).harness_url is None
+    assert not spec.constrain_actions  # off by default
+    constrained = load_config(None, ["rollout.constrain_actions=true"])
+    assert ep.spec("stage-2", constrained, seed=5).constrain_actions
     assert "k1" not in repr(spec)  # the key stays out of logs
     client = PolicyClient(spec)
     assert client._http.headers["Authorization"] == "Bearer k1"
