@@ -52,7 +52,7 @@ def split_stages(tasks_by_type: dict[str, list[TaskSpec]], num_stages: int) -> l
 
 def domain_tasks(cfg: HamoConfig, domains: dict, name: str, split: str) -> list[TaskSpec]:
     """``split``'s tasks of domain ``name``, task type by task type (``protocol.*_per_task`` each)."""
-    key = "protocol.test_per_task" if split == "test" else "protocol.train_per_task"
+    key = "protocol.train_per_task" if split == "train" else "protocol.test_per_task"
     limit = cfg.per_domain(key, name)
     return [t for tt in cfg.task_types(name) for t in domains[name].tasks(split, tt, limit=limit)]
 
@@ -86,8 +86,14 @@ class TaskLists:
 
     @cached_property
     def test(self) -> dict[str, list[TaskSpec]]:
-        """Every domain's test tasks, evaluated after every stage."""
-        return {name: domain_tasks(self.cfg, self.domains, name, "test") for name in self.domains}
+        """Every domain's test tasks, evaluated after every stage; ``<domain>@seen``: the dev split's
+        tasks of the domains of ``protocol.eval_seen``, evaluated beside them."""
+        from hamo_ray.evaluation.metrics import SEEN
+
+        test = {name: domain_tasks(self.cfg, self.domains, name, "test") for name in self.domains}
+        for name in self.cfg.protocol.eval_seen:
+            test[name + SEEN] = domain_tasks(self.cfg, self.domains, name, "dev")
+        return test
 
 
 class EnvPools:
@@ -97,6 +103,9 @@ class EnvPools:
         self.cfg, self._pools = cfg, {}
 
     def __call__(self, domain: str):
+        from hamo_ray.evaluation.metrics import base_domain
+
+        domain = base_domain(domain)  # alfworld@seen plays on alfworld's pool
         if domain not in self._pools:
             from hamo_ray.rollout.pool import EnvPool
 

@@ -115,6 +115,10 @@ class HamoConfig(_Cfg):
                 raise ValueError(f"{key} has no entry for domain(s) {', '.join(missing)}")
             if key.startswith("protocol.") and (extra := [d for d in per_task if d not in domains]):
                 raise ValueError(f"{key} names domain(s) this stream does not run: {', '.join(extra)}")
+        if extra := [d for d in self.protocol.eval_seen if d not in domains]:
+            raise ValueError(
+                f"protocol.eval_seen names domain(s) this stream does not run: {', '.join(extra)}"
+            )
         return self
 
     def _setting(self, key: str):

@@ -146,6 +146,11 @@ class ProtocolConfig(_Cfg):
     train_per_task: int | dict[str, int] = 8  # train variations (split across the stages within a domain)
     test_per_task: int | dict[str, int] = 4  # test variations, evaluated after every stage
     eval_initial: bool = False  # evaluate before the first stage too (stage 0: the base reference)
+    # Domains also evaluated on their dev split (``test_per_task`` variations), reported as
+    # ``<domain>@seen`` beside the test score and left out of the stage average and final total.
+    # ALFWorld's generated test games sit in held-out floor plans (unseen rooms); its dev games in the
+    # train floor plans with other placements (seen rooms), like ALFWorld's valid_seen.
+    eval_seen: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _check(self) -> ProtocolConfig:

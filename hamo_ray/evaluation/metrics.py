@@ -11,6 +11,8 @@ Definitions (T stages, R[i][j] = score on the domain of stage j after stage i, 1
 - final: scores[T][d]; final total: sum over domains of the final scores;
 - retention of the first domain: its curve over stages (initial score first, when known);
 - forgetting of d: max over t < T of scores[t][d] minus scores[T][d] (Chaudhry et al. 2018);
+- a domain evaluated on its dev split too (``protocol.eval_seen``) has a column ``<domain>@seen``,
+  reported like any domain but left out of the final total;
 - backward transfer BWT = 1/(T-1) sum_{i<T} (R[T][i] - R[i][i]) (Lopez-Paz & Ranzato 2017);
 - forward transfer FWT = 1/(T-1) sum_{i>=2} (R[i-1][i] - b_i), b_i = the initial score on the domain
   of stage i (needs ``initial``).
@@ -22,6 +24,21 @@ import math
 from collections.abc import Sequence
 
 Matrix = Sequence[dict[str, float]]
+
+# A second evaluation set of a domain (``protocol.eval_seen``: its dev split, e.g. ALFWorld's seen rooms)
+# is a column ``<domain>@seen`` of the matrix: reported beside the domain, never part of the final total
+# or a stage average over domains.
+SEEN = "@seen"
+
+
+def base_domain(column: str) -> str:
+    """The domain a score column belongs to (``alfworld@seen`` -> ``alfworld``)."""
+    return column.removesuffix(SEEN)
+
+
+def scored(columns) -> list[str]:
+    """The columns that count in totals and averages over domains (the test splits)."""
+    return [c for c in columns if not c.endswith(SEEN)]
 
 
 def stage_average(scores: Matrix, domain: str) -> float:
@@ -78,7 +95,7 @@ def summarize(
         "stage_scores": {d: [row.get(d) for row in scores] for d in domains},
         "average": {d: stage_average(scores, d) for d in domains},
         "final": final,
-        "final_total": sum(final.values()),
+        "final_total": sum(final[d] for d in scored(final)),
         "first_domain": first,
         "retention": retention,
         "forgetting": {d: forgetting(scores, d) for d in domains},

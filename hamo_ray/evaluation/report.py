@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from hamo_ray.evaluation.metrics import mean_interval
+from hamo_ray.evaluation.metrics import mean_interval, scored
 
 PAIRS = [
     ("hamo", "model_only"),
@@ -70,9 +70,10 @@ def load_cells(results_dir: Path) -> list[dict[str, Any]]:
 
 
 def stage_average(metrics: dict) -> float:
-    """The mean over stages (1..T) of the mean over the evaluated domains."""
+    """The mean over stages (1..T) of the mean over the evaluated domains (test splits: not ``@seen``)."""
     scores = metrics["stage_scores"]
-    rows = [[scores[d][t] for d in scores if scores[d][t] is not None] for t in range(metrics["num_stages"])]
+    domains = scored(scores)
+    rows = [[scores[d][t] for d in domains if scores[d][t] is not None] for t in range(metrics["num_stages"])]
     return sum(sum(r) / len(r) for r in rows) / len(rows)
 
 

@@ -62,3 +62,16 @@ def test_the_document_section_is_replaced_between_markers(tmp_path):
         update_doc(doc, "other", "x")
     with pytest.raises(FileNotFoundError, match="cells"):
         load_cells(tmp_path / "nowhere")
+
+
+def test_seen_columns_are_reported_but_not_counted_in_totals():
+    """``<domain>@seen`` (``protocol.eval_seen``) is a column of its own: out of the final total and of
+    the stage average over domains."""
+    rows = [
+        {"alfworld": 10.0, "webshop": 30.0, "alfworld@seen": 90.0},
+        {"alfworld": 20.0, "webshop": 40.0, "alfworld@seen": 70.0},
+    ]
+    metrics = summarize(rows, stage_domains=["alfworld", "webshop"])
+    assert metrics["final_total"] == 60.0
+    assert metrics["stage_scores"]["alfworld@seen"] == [90.0, 70.0]
+    assert stage_average(metrics) == (20.0 + 30.0) / 2

@@ -166,3 +166,24 @@ def test_per_domain_train_and_test_counts(tmp_path):
         load_config(
             "jobs/configs/tiny.yaml", ["protocol.num_stages=3", "protocol.train_per_task={scienceworld: 2}"]
         )
+
+
+def test_eval_seen_adds_the_dev_split_beside_the_test_split(tmp_path):
+    """``protocol.eval_seen``: a domain's dev tasks (ALFWorld's seen rooms) as ``<domain>@seen``, on the
+    domain's own pool; a domain the stream does not run is named."""
+    from hamo_ray.steps import EnvPools
+
+    cross = "jobs/configs/tiny-cross.yaml"
+    cfg = load_config(
+        cross, [f"run.root={tmp_path}", "protocol.eval_seen=[alfworld]", "protocol.test_per_task=2"]
+    )
+    stream = Stream(cfg)
+    assert list(stream.test_tasks) == ["scienceworld", "alfworld", "webshop", "alfworld@seen"]
+    seen, test = stream.test_tasks["alfworld@seen"], stream.test_tasks["alfworld"]
+    assert len(seen) == len(test) == 2 * len(cfg.task_types("alfworld"))
+    assert {t.split for t in seen} == {"dev"} and {t.domain for t in seen} == {"alfworld"}
+    pools = EnvPools(cfg)
+    pools._pools["alfworld"] = "the alfworld pool"  # no actors started: only the lookup is under test
+    assert pools("alfworld@seen") == "the alfworld pool"
+    with pytest.raises(ConfigError, match="protocol.eval_seen names domain.*textworld"):
+        load_config(cross, ["protocol.eval_seen=[textworld]"])
