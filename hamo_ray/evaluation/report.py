@@ -33,8 +33,19 @@ PAIRS = [
     ("hamo", "harness"),
     ("hamo", "base"),
     ("harness", "base"),
+    ("hamo", "hamo_no_conditioning"),  # the ablations (rows appear once their cells exist)
+    ("hamo_release", "hamo"),
 ]
-METHOD_ORDER = ["base", "harness", "model_only", "agenttuning", "eto", "hamo"]
+METHOD_ORDER = [
+    "base",
+    "harness",
+    "model_only",
+    "agenttuning",
+    "eto",
+    "hamo",
+    "hamo_no_conditioning",
+    "hamo_release",
+]
 
 
 def load_cells(results_dir: Path) -> list[dict[str, Any]]:

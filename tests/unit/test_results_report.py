@@ -8,7 +8,14 @@ import pytest
 import yaml
 
 from hamo_ray.evaluation.metrics import summarize
-from hamo_ray.evaluation.report import load_cells, main, paired_table, stage_average, update_doc
+from hamo_ray.evaluation.report import (
+    load_cells,
+    main,
+    method_table,
+    paired_table,
+    stage_average,
+    update_doc,
+)
 
 
 def _cell(root, method, seed, curve, initial=10.0):
@@ -44,6 +51,20 @@ def test_tables_and_paired_differences(tmp_path):
     row = next(line for line in table.splitlines() if "`hamo - harness`" in line)
     assert row.endswith("| +24.0 | - | 24.0 |")
     assert "`hamo - model_only`" not in table  # no model_only cell: no row
+    assert "hamo_no_conditioning" not in table
+
+
+def test_ablation_cells_get_their_paired_rows(tmp_path):
+    _cell(tmp_path, "hamo", 0, [30, 40])
+    _cell(tmp_path, "hamo_no_conditioning", 0, [20, 30])
+    _cell(tmp_path, "hamo_release", 0, [32, 40])
+    _cell(tmp_path, "base", 0, [10, 10])
+    cells = load_cells(tmp_path)
+    table = paired_table(cells)
+    assert "| `hamo - hamo_no_conditioning` | +10.0 | 10.0 |" in table
+    assert "| `hamo_release - hamo` | +1.0 | 1.0 |" in table
+    methods = [line.split("`")[1] for line in method_table(cells).splitlines() if line.startswith("| `")]
+    assert methods == ["base", "hamo", "hamo_no_conditioning", "hamo_release"]
 
 
 def test_the_document_section_is_replaced_between_markers(tmp_path):
