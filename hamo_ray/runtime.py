@@ -205,7 +205,13 @@ class Services:
         scfg = self.cfg.serve
         path = self._served_path(self.folder.path / adapter)
         return publish_adapter(
-            self.endpoint.base_url, name, path, scfg.probe_prompt, scfg.probe_tokens, api_key=scfg.api_key
+            self.endpoint.base_url,
+            name,
+            path,
+            scfg.probe_prompt,
+            scfg.probe_tokens,
+            timeout_s=scfg.publish_timeout_s,
+            api_key=scfg.api_key,
         )
 
     def _served_path(self, local: Path) -> str:

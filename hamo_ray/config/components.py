@@ -148,6 +148,10 @@ class ServeConfig(_Cfg):
         "Your task is to focus on the animal. Initial observation: This room is called the kitchen."
     )
     probe_tokens: int = 16
+    # How long publishing an adapter waits for each answer (load, list, probes). On CPU the first adapter
+    # request compiles vLLM's LoRA kernels (torch inductor; 4.5 min on 2 busy cores with a cold
+    # /tmp/torchinductor_* cache, seconds once cached); a stage is not failed for that.
+    publish_timeout_s: float = Field(default=600.0, gt=0)
     # Safety (hamo_ray/serving/guard.py). jobs/serve.py also takes --api-key or HAMO_API_KEY.
     api_key: str | None = None  # bearer token required on every route; None: open
     # Rollouts talk to the replica's own port (its /health direct_url), skipping Serve's HTTP proxy, when

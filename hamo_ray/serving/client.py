@@ -172,6 +172,24 @@ def _probe(client: httpx.Client, url: str, model: str, prompt: str, tokens: int)
     }
 
 
+def _load_and_probe(base_url, name, path, probe_prompt, probe_tokens, timeout_s, api_key):
+    """Load ``name`` from ``path``, check it is listed, probe it and the base: (load answer, base name, probes)."""
+    with httpx.Client(timeout=timeout_s, headers=auth_headers(api_key)) as client:
+        r = client.post(f"{base_url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+        if r.status_code != 200:
+            raise AdapterNotLiveError(
+                f"loading adapter {name!r} from {str(path)!r} failed: {r.status_code} {r.text}"
+            )
+        loaded = r.json()
+        models = client.get(f"{base_url}/v1/models").json()["data"]
+        if name not in {m["id"] for m in models}:
+            raise AdapterNotLiveError(f"adapter {name!r} loaded but not listed by /v1/models")
+        base = next(m["id"] for m in models if m.get("parent") is None)
+        live = _probe(client, base_url, name, probe_prompt, probe_tokens)
+        ref = _probe(client, base_url, base, probe_prompt, probe_tokens)
+    return loaded, base, live, ref
+
+
 def publish_adapter(
     base_url: str,
     name: str,
@@ -180,7 +198,7 @@ def publish_adapter(
     probe_tokens: int,
     *,
     min_logprob_diff: float = 1e-4,
-    timeout_s: float = 120.0,
+    timeout_s: float = 600.0,
     api_key: str | None = None,
 ) -> dict[str, Any]:
     """Load the adapter in ``path`` (inside the server's adapter root) under ``name`` and prove it live.
@@ -195,22 +213,19 @@ def publish_adapter(
         "base_tokens", "tokens_differ", "max_logprob_diff", "seconds"}``.
 
     Raises:
-        AdapterNotLiveError: the load was refused, or the adapter is not listed or has no effect.
+        AdapterNotLiveError: the load was refused, the adapter is not listed or has no effect, or an
+        answer took longer than ``timeout_s``.
     """
     t0 = time.monotonic()
-    with httpx.Client(timeout=timeout_s, headers=auth_headers(api_key)) as client:
-        r = client.post(f"{base_url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
-        if r.status_code != 200:
-            raise AdapterNotLiveError(
-                f"loading adapter {name!r} from {str(path)!r} failed: {r.status_code} {r.text}"
-            )
-        loaded = r.json()
-        models = client.get(f"{base_url}/v1/models").json()["data"]
-        if name not in {m["id"] for m in models}:
-            raise AdapterNotLiveError(f"adapter {name!r} loaded but not listed by /v1/models")
-        base = next(m["id"] for m in models if m.get("parent") is None)
-        live = _probe(client, base_url, name, probe_prompt, probe_tokens)
-        ref = _probe(client, base_url, base, probe_prompt, probe_tokens)
+    try:
+        loaded, base, live, ref = _load_and_probe(
+            base_url, name, path, probe_prompt, probe_tokens, timeout_s, api_key
+        )
+    except httpx.TimeoutException as exc:
+        raise AdapterNotLiveError(
+            f"publishing adapter {name!r}: no answer from {base_url} within {timeout_s:g} s "
+            f"(serve.publish_timeout_s; on CPU the first adapter request compiles vLLM's LoRA kernels): {exc!r}"
+        ) from exc
     max_diff = max((abs(a - b) for a, b in zip(live["logprobs"], ref["logprobs"], strict=False)), default=0.0)
     tokens_differ = live["tokens"] != ref["tokens"]
     if not tokens_differ and max_diff <= min_logprob_diff:

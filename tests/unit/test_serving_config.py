@@ -57,3 +57,19 @@ def test_engine_kwargs_pass_through():
     check_engine_kwargs(serve.engine_kwargs)
     with pytest.raises(ValueError, match=r"serve.engine_kwargs: \['not_an_arg'\]"):
         check_engine_kwargs({"not_an_arg": 1})
+
+
+def test_publishing_to_a_silent_server_fails_naming_the_timeout_setting():
+    """An endpoint that accepts the connection and never answers (vLLM compiling its LoRA kernels,
+    or hung) fails the publish with AdapterNotLiveError naming ``serve.publish_timeout_s``."""
+    import socket
+
+    from hamo_ray.serving import AdapterNotLiveError, publish_adapter
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # listens, never accepts nor answers
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(AdapterNotLiveError, match=r"within 0.3 s \(serve.publish_timeout_s"):
+            publish_adapter(url, "stage-1", "stage-1", "probe", 4, timeout_s=0.3)
+    assert ServeConfig().publish_timeout_s == 600.0
+    with pytest.raises(ValueError, match="publish_timeout_s"):
+        ServeConfig(publish_timeout_s=0)
