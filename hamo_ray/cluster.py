@@ -20,6 +20,7 @@ from hamo_ray.config import ConfigError, HamoConfig, RayConfig
 logger = logging.getLogger(__name__)
 
 LOCAL = "local"  # ray.address value that forces a private Ray
+WORKER_SETUP_HOOK = "hamo_ray.logs.ray_worker_setup"  # every worker of a private Ray runs it first
 _started_private = False  # this process started a private Ray (no Serve of ours can be running yet)
 
 
@@ -107,7 +108,13 @@ def start_ray(ray_cfg: RayConfig) -> bool:
                 "no Ray cluster answers at %s (stale address file); starting a private one", address
             )
     cpus = local_cpus(ray_cfg)
-    ray.init(address=LOCAL, num_cpus=cpus, include_dashboard=False, configure_logging=False)
+    ray.init(
+        address=LOCAL,
+        num_cpus=cpus,
+        include_dashboard=False,  # no web UI, and so no state API: see logs.REPEATED_WARNINGS
+        configure_logging=False,
+        runtime_env={"worker_process_setup_hook": WORKER_SETUP_HOOK},
+    )
     logger.info("started a private local Ray with %d CPUs", cpus)
     global _started_private
     _started_private = True

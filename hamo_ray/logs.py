@@ -36,6 +36,47 @@ def setup_logging(level: str | int | None = None) -> None:
     root.setLevel(logging.WARNING)
 
 
+# Ray Train's placement-group cleaner asks Ray's state API (served by the dashboard) every second
+# whether the Train controller is alive; a private local Ray runs no dashboard, so every check fails
+# with this warning, ~3,600 lines an hour for as long as a stream keeps its training run.
+REPEATED_WARNINGS = {
+    "ray.train.v2._internal.execution.controller.placement_group_cleaner": (
+        "Failed to query Ray Train Controller actor state",
+        "this Ray runs no dashboard, so its state API never answers: repeats of this warning are hidden",
+    ),
+}
+
+
+class FirstOnly(logging.Filter):
+    """Let the first record starting with ``prefix`` through, with ``note`` appended; drop the rest."""
+
+    def __init__(self, prefix: str, note: str) -> None:
+        super().__init__()
+        self.prefix, self.note, self.seen = prefix, note, False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(self.prefix):
+            return True
+        if self.seen:
+            return False
+        self.seen = True
+        record.msg, record.args = f"{message} ({self.note})", ()
+        return True
+
+
+def ray_worker_setup() -> None:
+    """Ray's ``worker_process_setup_hook`` of the private local Ray (``cluster.start_ray``).
+
+    Runs in every worker process before its task or actor: shows each warning of
+    :data:`REPEATED_WARNINGS` once. Standard library only, so every worker can import it cheaply.
+    """
+    for name, (prefix, note) in REPEATED_WARNINGS.items():
+        log = logging.getLogger(name)
+        if not any(isinstance(f, FirstOnly) for f in log.filters):
+            log.addFilter(FirstOnly(prefix, note))
+
+
 def progress_bar(total: int, desc: str, unit: str = "it"):
     """A ``tqdm`` bar on a terminal, a silent one elsewhere (``bar.disable`` tells which)."""
     import sys

@@ -33,8 +33,15 @@ from hamo_ray.config import RayConfig
 from hamo_ray.cluster import start_ray
 address = sys.argv[1] or None
 start_ray(RayConfig(address=address, num_cpus=2))
+
+@ray.remote(num_cpus=0)
+def quiet():  # did this worker run the private Ray's setup hook (hamo_ray.logs.ray_worker_setup)?
+    import logging
+    from hamo_ray.logs import REPEATED_WARNINGS, FirstOnly
+    return all(any(isinstance(f, FirstOnly) for f in logging.getLogger(n).filters) for n in REPEATED_WARNINGS)
+
 print("RESULT", json.dumps({"gcs": ray.get_runtime_context().gcs_address,
-                            "cpus": ray.cluster_resources().get("CPU")}))
+                            "cpus": ray.cluster_resources().get("CPU"), "quiet": ray.get(quiet.remote())}))
 ray.shutdown()
 """
 
@@ -104,8 +111,10 @@ def test_default_joins_the_running_cluster_and_local_forces_a_private_one(head):
     env, port = head
     joined = _driver(env)
     assert joined["gcs"].endswith(f":{port}") and joined["cpus"] == 3
+    assert not joined["quiet"]  # a joined cluster's logging is its owner's
     private = _driver(env, "local")
     assert not private["gcs"].endswith(f":{port}") and private["cpus"] == 2
+    assert private["quiet"]  # the private Ray (no dashboard) hides Ray Train's repeated cleaner warning
 
 
 def test_a_submitted_job_refuses_a_relative_run_root(tmp_path):

@@ -114,3 +114,34 @@ def test_step_record_rows_and_epoch_means():
     assert all(math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 for r in rows)
     assert record.epoch_losses(rows) == pytest.approx([2.0, 1.0])
     assert sum(record.tokens) == 1000  # rank 0's tokens x world
+
+
+def test_ray_trains_repeated_cleaner_warning_shows_once():
+    """A private Ray's workers show Ray Train's every-second cleaner warning once, with the reason."""
+    import inspect
+    import logging
+
+    from hamo_ray.logs import REPEATED_WARNINGS, FirstOnly, ray_worker_setup
+
+    cleaner = pytest.importorskip("ray.train.v2._internal.execution.controller.placement_group_cleaner")
+    ((prefix, _note),) = [REPEATED_WARNINGS[cleaner.logger.name]]  # the installed Ray's own logger
+    assert prefix in inspect.getsource(
+        cleaner
+    )  # ... and its own words: a Ray upgrade that changes them fails
+    ray_worker_setup()
+    ray_worker_setup()  # idempotent: one filter
+    log = logging.getLogger(cleaner.logger.name)
+    assert sum(isinstance(f, FirstOnly) for f in log.filters) == 1
+    seen: list[str] = []  # a handler of its own: Ray's loggers do not propagate to pytest's
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log.addHandler(handler)
+    try:
+        for _ in range(5):
+            log.warning("%s. State API may be temporarily unavailable. Continuing to monitor.", prefix)
+        log.warning("Failed to remove placement group")  # any other warning passes
+    finally:
+        log.removeHandler(handler)
+    lines = seen
+    assert len(lines) == 2 and lines[1] == "Failed to remove placement group"
+    assert lines[0].startswith(prefix) and "repeats of this warning are hidden" in lines[0]
