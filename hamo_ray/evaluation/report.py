@@ -10,7 +10,8 @@ of the per-stage curves::
 The section holds: the table method x (cells, stage average, final total, first-domain retention,
 forgetting, BWT), each as the mean and its 95% t interval over seeds; the paired differences of
 :data:`PAIRS` per seed and as intervals (methods of one seed share the evaluation draws, so a paired
-difference removes most of the sampling noise the seeds share); every method's per-stage scores; and
+difference removes most of the sampling noise the seeds share), on the stage average and, across
+domains, on the first domain's retention; every method's per-stage scores; and
 the finished cells' wall time. Nothing here runs an experiment.
 """
 
@@ -120,12 +121,25 @@ def method_table(cells: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def paired_table(cells: list[dict], pairs: list[tuple[str, str]] = PAIRS) -> str:
-    """Stage-average differences ``a - b`` per seed (both cells finished) and their interval."""
-    by = {(c["method"], c["seed"]): stage_average(c["metrics"]) for c in cells}
+def first_domain_retention(metrics: dict) -> float:
+    """The first domain's score after the last stage (the paper's cross-domain retention)."""
+    return metrics["retention"][-1]
+
+
+METRICS = {"stage average": stage_average, "first-domain retention": first_domain_retention}
+
+
+def paired_table(
+    cells: list[dict], pairs: list[tuple[str, str]] = PAIRS, metric: str = "stage average"
+) -> str:
+    """Differences ``a - b`` of one of :data:`METRICS` per seed (both cells finished) and their interval."""
+    if metric not in METRICS:
+        raise ValueError(f"paired_table: unknown metric {metric!r}; choose one of {sorted(METRICS)}")
+    value = METRICS[metric]
+    by = {(c["method"], c["seed"]): value(c["metrics"]) for c in cells}
     seeds = sorted({c["seed"] for c in cells})
     lines = [
-        "| difference (stage average) | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± 95% |",
+        f"| difference ({metric}) | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± 95% |",
         "|---|" + "---:|" * (len(seeds) + 1),
     ]
     for a, b in pairs:
@@ -137,6 +151,10 @@ def paired_table(cells: list[dict], pairs: list[tuple[str, str]] = PAIRS) -> str
             f"| `{a} - {b}` | " + " | ".join(row) + f" | {_fmt(mean_interval(list(diffs.values())))} |"
         )
     return "\n".join(lines)
+
+
+def _across_domains(cells: list[dict]) -> bool:
+    return any(len(scored(c["metrics"]["stage_scores"])) > 1 for c in cells)
 
 
 def stage_table(cells: list[dict]) -> str:
@@ -198,9 +216,10 @@ def section(cells: list[dict], name: str, plot: Path | None, doc_dir: Path | Non
         method_table(cells),
         "",
         paired_table(cells),
-        "",
-        stage_table(cells),
     ]
+    if _across_domains(cells):  # within one domain, "retention" is the final score: no second table
+        parts += ["", paired_table(cells, metric="first-domain retention")]
+    parts += ["", stage_table(cells)]
     if plot is not None:
         rel = plot.relative_to(doc_dir) if doc_dir is not None else plot
         parts += ["", f"![{name}: per-stage scores]({rel.as_posix()})"]

@@ -13,6 +13,7 @@ from hamo_ray.evaluation.report import (
     main,
     method_table,
     paired_table,
+    section,
     stage_average,
     update_doc,
 )
@@ -96,3 +97,34 @@ def test_seen_columns_are_reported_but_not_counted_in_totals():
     assert metrics["final_total"] == 60.0
     assert metrics["stage_scores"]["alfworld@seen"] == [90.0, 70.0]
     assert stage_average(metrics) == (20.0 + 30.0) / 2
+
+
+def _cross_cell(root, method, seed, science_curve):
+    """A 3-stage S->A->W cell whose ScienceWorld curve is ``science_curve`` (the first domain)."""
+    cell = root / "cells" / f"{method}-s{seed}"
+    (cell / "results").mkdir(parents=True)
+    (cell / "config.yaml").write_text(yaml.safe_dump({"method": {"name": method}, "run": {"seed": seed}}))
+    rows = [{"scienceworld": v, "alfworld": 0.0, "webshop": 10.0} for v in science_curve]
+    metrics = summarize(rows, stage_domains=["scienceworld", "alfworld", "webshop"])
+    (cell / "results" / "metrics.json").write_text(json.dumps(metrics))
+
+
+def test_cross_domain_sections_pair_the_first_domains_retention(tmp_path):
+    """The paper's cross-domain claim is retention (HaMo keeps ScienceWorld, AgentTuning loses it): the
+    section pairs it per seed like the stage average; a within-domain section has no such table."""
+    _cross_cell(tmp_path, "hamo", 0, [30, 40, 35])
+    _cross_cell(tmp_path, "hamo", 1, [30, 30, 45])
+    _cross_cell(tmp_path, "agenttuning", 0, [35, 30, 5])
+    _cross_cell(tmp_path, "agenttuning", 1, [30, 30, 15])
+    cells = load_cells(tmp_path)
+    table = paired_table(cells, metric="first-domain retention")
+    assert table.startswith("| difference (first-domain retention) |")
+    # seed 0: 35 - 5 = +30; seed 1: 45 - 15 = +30: the same difference twice, an interval of 0.
+    assert "| `hamo - agenttuning` | +30.0 | +30.0 | 30.0 ± 0.0 |" in table
+    text = section(cells, "cross", plot=None)
+    assert "difference (stage average)" in text and "difference (first-domain retention)" in text
+    within = tmp_path / "within"
+    _cell(within, "hamo", 0, [30, 40])
+    assert "first-domain retention)" not in section(load_cells(within), "within", plot=None)
+    with pytest.raises(ValueError, match="unknown metric 'accuracy'"):
+        paired_table(cells, metric="accuracy")
