@@ -11,7 +11,7 @@ The section holds: the table method x (cells, stage average, final total, first-
 forgetting, BWT), each as the mean and its 95% t interval over seeds; the paired differences of
 :data:`PAIRS` per seed and as intervals (methods of one seed share the evaluation draws, so a paired
 difference removes most of the sampling noise the seeds share), on the stage average and, across
-domains, on the first domain's retention; every method's per-stage scores; and
+domains, on the first domain's retention and the last domain's score; every method's per-stage scores; and
 the finished cells' wall time. Nothing here runs an experiment.
 """
 
@@ -126,7 +126,16 @@ def first_domain_retention(metrics: dict) -> float:
     return metrics["retention"][-1]
 
 
-METRICS = {"stage average": stage_average, "first-domain retention": first_domain_retention}
+def last_domain_final(metrics: dict) -> float:
+    """The last stage's domain, scored after its own stage (what the newest training reached)."""
+    return metrics["stage_scores"][metrics["stage_domains"][-1]][-1]
+
+
+METRICS = {
+    "stage average": stage_average,
+    "first-domain retention": first_domain_retention,
+    "last-domain score": last_domain_final,
+}
 
 
 def paired_table(
@@ -217,8 +226,10 @@ def section(cells: list[dict], name: str, plot: Path | None, doc_dir: Path | Non
         "",
         paired_table(cells),
     ]
-    if _across_domains(cells):  # within one domain, "retention" is the final score: no second table
-        parts += ["", paired_table(cells, metric="first-domain retention")]
+    if _across_domains(cells):  # within one domain both are the final score: no more tables
+        # what the first domain kept against what the last one learnt (stability against plasticity)
+        for metric in ("first-domain retention", "last-domain score"):
+            parts += ["", paired_table(cells, metric=metric)]
     parts += ["", stage_table(cells)]
     if plot is not None:
         rel = plot.relative_to(doc_dir) if doc_dir is not None else plot

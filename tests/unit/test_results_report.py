@@ -122,9 +122,15 @@ def test_cross_domain_sections_pair_the_first_domains_retention(tmp_path):
     # seed 0: 35 - 5 = +30; seed 1: 45 - 15 = +30: the same difference twice, an interval of 0.
     assert "| `hamo - agenttuning` | +30.0 | +30.0 | 30.0 ± 0.0 |" in table
     text = section(cells, "cross", plot=None)
-    assert "difference (stage average)" in text and "difference (first-domain retention)" in text
+    for title in ("stage average", "first-domain retention", "last-domain score"):
+        assert f"| difference ({title}) |" in text
+    # the last domain (webshop) scores 10 after its stage in every cell: a difference of 0
+    assert "| `hamo - agenttuning` | +0.0 | +0.0 | 0.0 ± 0.0 |" in paired_table(
+        cells, metric="last-domain score"
+    )
     within = tmp_path / "within"
     _cell(within, "hamo", 0, [30, 40])
-    assert "first-domain retention)" not in section(load_cells(within), "within", plot=None)
+    within_text = section(load_cells(within), "within", plot=None)
+    assert "first-domain retention)" not in within_text and "last-domain score)" not in within_text
     with pytest.raises(ValueError, match="unknown metric 'accuracy'"):
         paired_table(cells, metric="accuracy")
