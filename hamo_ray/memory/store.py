@@ -94,7 +94,27 @@ class MemoryStore:
         self._table: Any = None
         self.dim = dim
         if self._open() is None and dim is not None:
-            self._set_table(self._db.create_table(table, schema=card_schema(dim), exist_ok=True))
+            self._create(dim)
+
+    def _create(self, dim: int, tries: int = 3) -> None:
+        """Create the table; when another writer (a thread, a replica, the driver) creates it at the same
+        moment, LanceDB refuses one of the two commits: open the winner's table instead."""
+        for attempt in range(tries):
+            try:
+                self._set_table(
+                    self._db.create_table(self.table_name, schema=card_schema(dim), exist_ok=True)
+                )
+                return
+            except (RuntimeError, OSError, ValueError) as exc:
+                if isinstance(exc, ValueError) and "width" in str(exc):
+                    raise  # an existing table of another width: not a race
+                if self._open() is not None:
+                    return
+                if attempt == tries - 1:
+                    raise RuntimeError(
+                        f"memory table {self.table_name!r} at {self.uri}: could not be created: {exc}"
+                    ) from exc
+                time.sleep(0.05 * (attempt + 1))
 
     @classmethod
     def from_config(cls, uri: str, mcfg: MemoryConfig, dim: int | None = None) -> MemoryStore:

@@ -17,6 +17,7 @@ query (a run served at ``--stage t`` retrieves only cards of stages <= t).
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from fastapi import FastAPI, HTTPException
@@ -64,13 +65,15 @@ class HarnessServer:
         self.memory_uri = memory_uri
         self.memory = memory
         self._store = None
+        self._store_lock = threading.Lock()
 
     def _get_store(self):
         from hamo_ray.memory.store import MemoryStore
 
-        if self._store is None:
-            # The run's index settings (nprobes, refine factor, storage options) apply here too.
-            self._store = MemoryStore.from_config(self.memory_uri, self.memory, dim=self.embedder.dim)
+        with self._store_lock:  # sync routes run in a thread pool: the first requests come together
+            if self._store is None:
+                # The run's index settings (nprobes, refine factor, storage options) apply here too.
+                self._store = MemoryStore.from_config(self.memory_uri, self.memory, dim=self.embedder.dim)
         return self._store
 
     @harness_api.get("/health")

@@ -340,3 +340,46 @@ def test_import_is_light():
         """
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_a_table_created_by_another_writer_at_the_same_moment_is_opened(tmp_path, monkeypatch):
+    """Two writers creating the table together: LanceDB refuses one commit ("Retryable commit conflict");
+    the loser opens the winner's table instead of failing (it once made the harness answer 500)."""
+    import lancedb
+
+    uri = str(tmp_path / "mem")
+    real_connect = lancedb.connect
+
+    def connect(*args, **kwargs):
+        db = real_connect(*args, **kwargs)
+        real_create = db.create_table
+
+        def create_table(name, *a, **kw):
+            real_create(name, *a, **kw)  # the other writer wins the race
+            raise RuntimeError("lance error: Retryable commit conflict for version 2")
+
+        db.create_table = create_table
+        return db
+
+    monkeypatch.setattr(lancedb, "connect", connect)
+    store = MemoryStore(uri, dim=DIM)
+    assert store.dim == DIM and store.count() == 0
+    store.add(_rows(2))
+    assert store.count() == 2
+
+
+def test_threads_creating_one_table_together_all_get_it(tmp_path):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    for trial in range(10):
+        barrier = threading.Barrier(6)
+
+        def make(_, uri=str(tmp_path / f"mem{trial}"), barrier=barrier):
+            barrier.wait()
+            return MemoryStore(uri, dim=DIM)
+
+        with ThreadPoolExecutor(6) as pool:
+            stores = list(pool.map(make, range(6)))
+        stores[0].add(_rows(1))
+        assert all(s.count() == 1 for s in stores)
