@@ -105,9 +105,7 @@ class MemoryStore:
                     self._db.create_table(self.table_name, schema=card_schema(dim), exist_ok=True)
                 )
                 return
-            except (RuntimeError, OSError, ValueError) as exc:
-                if isinstance(exc, ValueError) and "width" in str(exc):
-                    raise  # an existing table of another width: not a race
+            except (RuntimeError, OSError) as exc:  # a width mismatch (ValueError) is no race: it propagates
                 if self._open() is not None:
                     return
                 if attempt == tries - 1:
