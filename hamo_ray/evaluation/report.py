@@ -35,6 +35,7 @@ PAIRS = [
     ("hamo", "base"),
     ("harness", "base"),
     ("hamo", "hamo_no_conditioning"),  # the ablations (rows appear once their cells exist)
+    ("hamo_no_conditioning", "model_only"),  # cards at inference to a model trained without them
     ("hamo_release", "hamo"),
 ]
 METHOD_ORDER = [

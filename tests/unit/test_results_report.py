@@ -60,12 +60,15 @@ def test_ablation_cells_get_their_paired_rows(tmp_path):
     _cell(tmp_path, "hamo_no_conditioning", 0, [20, 30])
     _cell(tmp_path, "hamo_release", 0, [32, 40])
     _cell(tmp_path, "base", 0, [10, 10])
+    _cell(tmp_path, "model_only", 0, [28, 36])
     cells = load_cells(tmp_path)
     table = paired_table(cells)
     assert "| `hamo - hamo_no_conditioning` | +10.0 | 10.0 |" in table
+    # The same anchors trained without cards, then shown cards at inference, against no cards at all.
+    assert "| `hamo_no_conditioning - model_only` | -7.0 | -7.0 |" in table
     assert "| `hamo_release - hamo` | +1.0 | 1.0 |" in table
     methods = [line.split("`")[1] for line in method_table(cells).splitlines() if line.startswith("| `")]
-    assert methods == ["base", "hamo", "hamo_no_conditioning", "hamo_release"]
+    assert methods == ["base", "model_only", "hamo", "hamo_no_conditioning", "hamo_release"]
 
 
 def test_the_document_section_is_replaced_between_markers(tmp_path):
