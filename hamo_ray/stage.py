@@ -372,8 +372,7 @@ def release(
         "release: stage %d (%s): %d of %d anchors solved without cards (mean %.1f, %d failed; solved: "
         "score >= %g) -> their cards released; follow-up: %d of the %d released at stage %d still solved",
         stage, domain, len(ids), len(replays), figures["replay_mean_score"], len(replays) - len(ran),
-        cfg.memory.release_min_score,
-        int(figures["followup_solved"]), len(again), stage - 1,
+        cfg.memory.release_min_score, int(figures["followup_solved"]), len(again), stage - 1,
     )  # fmt: skip
     return Release(ids, figures)
 
