@@ -39,7 +39,9 @@ logger = logging.getLogger(__name__)
 # Keys that may differ between the run that started a folder and the one resuming it.
 _RESUMABLE_KEYS = {"run", "ray", "serve", "rollout"}
 # Keys outside those sections that change how a stage is computed, not what it computes.
-_RESUMABLE_FIELDS = {"train.engine", "train.max_failures", "train.storage", "train.keep_workers"}
+_RESUMABLE_FIELDS = {
+    "train.engine", "train.max_failures", "train.storage", "train.keep_workers", "env.expert_cache"
+}  # fmt: skip
 # Keys inside those sections that do change what is computed: a resume must keep them.
 _IDENTITY_FIELDS = {"rollout.constrain_actions"}
 

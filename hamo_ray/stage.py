@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 from hamo_ray.config import HamoConfig
+from hamo_ray.envs.expert_cache import cached_experts
 from hamo_ray.memory.pipeline import add_stage_cards, internalised, release_internalised, training_experience
 from hamo_ray.rollout.client import PolicySpec
 from hamo_ray.run_folder import PhaseClock, RunFolder
@@ -144,8 +145,8 @@ def run_stage(ctx: StageContext, stage: int, domain: str, done: list[StageResult
 def collect(ctx: StageContext, stage: int, domain: str) -> list[Trajectory]:
     """Step 1: the stage's expert trajectories (stored ones first: a redone stage reuses them).
 
-    Imported data (``env.expert_source: file``) or the domain's expert plans played by the pool;
-    failed and unscored episodes are left out.
+    Imported data (``env.expert_source: file``) or the domain's expert plans played by the pool
+    (``play_experts``; through ``env.expert_cache`` when set: runs on the same tasks share them).
 
     Raises:
         RuntimeError: no usable expert trajectory.
@@ -163,6 +164,14 @@ def collect(ctx: StageContext, stage: int, domain: str) -> list[Trajectory]:
         folder.save_trajectories(stage, ok)
         return ok
     tasks = ctx.tasks.stages[stage - 1]
+    ok, _ = cached_experts(cfg, domain, tasks, lambda: play_experts(ctx, tasks, domain, stage))
+    folder.save_trajectories(stage, ok)
+    return ok
+
+
+def play_experts(ctx: StageContext, tasks: list[TaskSpec], domain: str, stage: int) -> list[Trajectory]:
+    """The domain's expert plans played by the pool on ``tasks``: the usable ones (else RuntimeError)."""
+    cfg = ctx.cfg
     got = ctx.pools(domain).run(tasks, None, desc=f"stage {stage} expert episodes ({domain})")
     ok = [t for t in got if t.error is None and t.actions and t.score > 0]
     cut = sum(not t.done and len(t.actions) >= cfg.env.max_turns for t in got if t.error is None)
@@ -180,7 +189,6 @@ def collect(ctx: StageContext, stage: int, domain: str) -> list[Trajectory]:
         )
     if not ok:
         raise RuntimeError(f"stage {stage}: no usable expert trajectory")
-    folder.save_trajectories(stage, ok)
     return ok
 
 

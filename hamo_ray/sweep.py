@@ -8,6 +8,7 @@ A sweep file (YAML) names a base config and the grid::
     results: results/sweep-tiny           # optional: a tracked folder for the small results (below)
     parallel: 1                           # cells run at once (Ray tasks); 1 on a laptop
     cell_resources: {CPU: 0}              # resources each cell's controller task holds
+    share_experts: true                   # cells on the same tasks share expert trajectories (below)
     grid:
       method: [base, harness, model_only, hamo]
       model: [embedded]                   # model.path values
@@ -15,6 +16,12 @@ A sweep file (YAML) names a base config and the grid::
       seed: [0, 1]
       vary:                               # any dotted config key -> its values (optional)
         train.lr: [2.0e-4, 2.0e-3]
+
+With ``share_experts`` (the default) every cell gets ``env.expert_cache=<root>/experts``
+(``hamo_ray/envs/expert_cache.py``): the first cell that plays a stage's tasks stores the simulator's
+expert trajectories, and every other cell on the same tasks (the other methods of that seed) trains on
+exactly those, not on a replay of the expert that may take another route. An override of
+``env.expert_cache`` wins; ``share_experts: false`` lets each cell play its own.
 
 Cells that finished earlier are skipped (their run folder holds every stage); a killed sweep
 resumes each unfinished cell after its last committed stage. Cells sharing a backbone share one

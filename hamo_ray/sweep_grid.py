@@ -35,6 +35,7 @@ class SweepConfig(BaseModel):
     results: str | None = None  # a tracked folder the cells' small results are exported to (see above)
     parallel: int = Field(default=1, ge=1)
     cell_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 0})
+    share_experts: bool = True  # cells on the same tasks: the same expert trajectories (<root>/experts)
     grid: GridConfig = GridConfig()
 
 
@@ -117,7 +118,9 @@ def expand_cells(sweep: SweepConfig, base: Path) -> list[tuple[str, HamoConfig]]
             else:
                 extra += ["protocol.kind=cross_domain", f"protocol.order=[{','.join(order)}]"]
         name = f"{method}-{_tag(model)}-{order_tag}{vary_tag}-s{seed}"
-        cfg = load_config(base, [*sweep.overrides, *extra, f"run.root={root / 'cells'}", f"run.id={name}"])
+        shared = [f"env.expert_cache={root / 'experts'}"] if sweep.share_experts else []
+        over = [*shared, *sweep.overrides, *extra, f"run.root={root / 'cells'}", f"run.id={name}"]
+        cfg = load_config(base, over)
         cells.append((name, cfg))
     return cells
 

@@ -81,6 +81,9 @@ class EnvConfig(_Cfg):
     # plan) or files in the AgentGym / ETO conversation format ("file": hamo_ray/envs/expert_data.py).
     expert_source: Literal["simulator", "file"] = "simulator"
     expert_files: dict[str, str] = Field(default_factory=dict)  # domain -> JSON file, for expert_source=file
+    # A folder keeping the simulator's expert trajectories per stage's tasks, shared by runs on the same
+    # tasks (hamo_ray/envs/expert_cache.py); a sweep sets <root>/experts (sweep.share_experts).
+    expert_cache: str | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -71,6 +71,13 @@ def test_tiny_sweep_aggregates(tmp_path):
     assert all((results / p).stat().st_size > 5000 for p in pngs)
     report = (tmp_path / "sweep" / "report.md").read_text()
     assert "setting0-stagewise.png" in report
+    # share_experts (the default): the cells of one seed trained on the very same expert trajectories.
+    cells = tmp_path / "sweep" / "cells"
+    for seed in (0, 1):
+        for stage in (1, 2):
+            files = sorted(cells.glob(f"*-s{seed}/trajectories/stage-{stage}.jsonl"))
+            assert len(files) >= 2 and len({f.read_text() for f in files}) == 1, (seed, stage, files)
+    assert len(list((tmp_path / "sweep" / "experts").glob("scienceworld-*.jsonl"))) >= 2
     # A second submission finds every cell finished and only aggregates again.
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert again.returncode == 0 and "8 finished" in (again.stdout + again.stderr)

@@ -52,6 +52,7 @@ OLD_ENV = {
     "textworld_games_dir": None,
     "expert_source": "simulator",
     "expert_files": {},
+    "expert_cache": None,
     "alfworld_games": "generated",
     "alfworld_data": None,
     "alfworld_games_dir": None,
@@ -82,7 +83,7 @@ def test_every_domain_has_its_section_with_defaults():
     assert env.alfworld.games == "official" and env.textworld.games_dir is None
     assert env.section("webshop") is env.webshop
     common = set(EnvConfig.model_fields)
-    assert common == {"domain", "task_types", "max_turns", "expert_source", "expert_files"}
+    assert common == {"domain", "task_types", "max_turns", "expert_source", "expert_files", "expert_cache"}
     dumped = HamoConfig().model_dump(mode="json")["env"]
     assert list(dumped)[: len(common)] == list(EnvConfig.model_fields)  # common keys first, then sections
     assert dumped["webshop"] == {
