@@ -62,7 +62,7 @@ def test_tiny_sweep_aggregates(tmp_path):
             row["average"]["n"] == 2
             and row["average"]["ci_low"] <= row["average"]["mean"] <= row["average"]["ci_high"]
         )
-        assert len(row["stage_scores"]["scienceworld"]) == 2
+        assert len(row["stage_scores"]["scienceworld"]) == 3  # stage 0 (initial evaluation), 1, 2
         assert len(row["retention"]) == 3  # stage 0 (initial evaluation), 1, 2
     table = (results / "table.md").read_text()
     assert all(f"| {m} |" in table for m in ("base", "harness", "model_only", "hamo"))
