@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 from hamo_ray.config import HamoConfig
-from hamo_ray.envs.expert_cache import cached_experts
+from hamo_ray.envs.expert_cache import cached_experts, play_experts
 from hamo_ray.memory.pipeline import add_stage_cards, internalised, release_internalised, training_experience
 from hamo_ray.rollout.client import PolicySpec
 from hamo_ray.run_folder import PhaseClock, RunFolder
@@ -164,31 +164,10 @@ def collect(ctx: StageContext, stage: int, domain: str) -> list[Trajectory]:
         folder.save_trajectories(stage, ok)
         return ok
     tasks = ctx.tasks.stages[stage - 1]
-    ok, _ = cached_experts(cfg, domain, tasks, lambda: play_experts(ctx, tasks, domain, stage))
+    ok, _ = cached_experts(  # the pool starts only when the cache has no entry
+        cfg, domain, tasks, lambda: play_experts(ctx.pools(domain), tasks, cfg.env.max_turns, stage, domain)
+    )
     folder.save_trajectories(stage, ok)
-    return ok
-
-
-def play_experts(ctx: StageContext, tasks: list[TaskSpec], domain: str, stage: int) -> list[Trajectory]:
-    """The domain's expert plans played by the pool on ``tasks``: the usable ones (else RuntimeError)."""
-    cfg = ctx.cfg
-    got = ctx.pools(domain).run(tasks, None, desc=f"stage {stage} expert episodes ({domain})")
-    ok = [t for t in got if t.error is None and t.actions and t.score > 0]
-    cut = sum(not t.done and len(t.actions) >= cfg.env.max_turns for t in got if t.error is None)
-    if cut:
-        logger.warning(
-            "collect: %d of %d expert plans were cut at env.max_turns=%d (evaluation stops there); "
-            "%d of them still scored and are kept",
-            cut, len(got), cfg.env.max_turns, sum(not t.done for t in ok),
-        )  # fmt: skip
-    if len(ok) < len(got):
-        logger.warning(
-            "collect: %d of %d expert episodes failed or scored 0 and are left out",
-            len(got) - len(ok),
-            len(got),
-        )
-    if not ok:
-        raise RuntimeError(f"stage {stage}: no usable expert trajectory")
     return ok
 
 

@@ -108,3 +108,28 @@ def cached_experts(
         write_entry(path, trajs)
         logger.info("collect: stored %d expert trajectories in the cache %s", len(trajs), path)
         return trajs, False
+
+
+def play_experts(pool, tasks: list[TaskSpec], max_turns: int, stage: int, domain: str) -> list[Trajectory]:
+    """The domain's expert plans played by ``pool`` on ``tasks``: the usable ones (else RuntimeError).
+
+    Failed and unscored episodes are left out; plans cut at ``max_turns`` that still scored are kept.
+    """
+    got = pool.run(tasks, None, desc=f"stage {stage} expert episodes ({domain})")
+    ok = [t for t in got if t.error is None and t.actions and t.score > 0]
+    cut = sum(not t.done and len(t.actions) >= max_turns for t in got if t.error is None)
+    if cut:
+        logger.warning(
+            "collect: %d of %d expert plans were cut at env.max_turns=%d (evaluation stops there); "
+            "%d of them still scored and are kept",
+            cut, len(got), max_turns, sum(not t.done for t in ok),
+        )  # fmt: skip
+    if len(ok) < len(got):
+        logger.warning(
+            "collect: %d of %d expert episodes failed or scored 0 and are left out",
+            len(got) - len(ok),
+            len(got),
+        )
+    if not ok:
+        raise RuntimeError(f"stage {stage}: no usable expert trajectory")
+    return ok

@@ -1,7 +1,7 @@
 """The shared expert cache (``env.expert_cache``): runs on the same tasks read the trajectories the first
 one played; other tasks or settings play again; a broken entry is replaced; parallel runs play once.
 
-No Ray: ``play`` stands for the pool (the real pool plays in tests/ray/test_sweep.py, marked slow)."""
+No Ray: ``play`` and ``_Pool`` stand for the pool (the real pool plays in tests/ray/test_sweep.py, marked slow)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from hamo_ray.config import load_config
-from hamo_ray.envs.expert_cache import cached_experts, entry_path
+from hamo_ray.envs.expert_cache import cached_experts, entry_path, play_experts
 from hamo_ray.sweep import expand_cells, load_sweep, stale_keys
 from hamo_ray.types import TaskSpec, Trajectory
 
@@ -154,3 +154,25 @@ def test_exports_made_before_the_cache_are_not_stale(tmp_path):
     (cfg,) = [c for name, c in expand_cells(sweep, base) if name == exported.name]
     assert cfg.env.expert_cache is not None
     assert stale_keys(exported, cfg) == []
+
+
+class _Pool:
+    def __init__(self, trajs):
+        self.trajs, self.asked = trajs, []
+
+    def run(self, tasks, spec, desc=""):
+        self.asked.append((tasks, spec))
+        return self.trajs
+
+
+def test_play_experts_keeps_the_usable_episodes_and_raises_without_any(caplog):
+    good = _player("kitchen", [])()[0]
+    failed = good.model_copy(update={"error": "env crashed", "score": 0.0})
+    unscored = good.model_copy(update={"score": 0.0})
+    pool = _Pool([good, failed, unscored])
+    with caplog.at_level(logging.WARNING, logger="hamo_ray.envs.expert_cache"):
+        assert play_experts(pool, TASKS, 50, 1, "scienceworld") == [good]
+    assert pool.asked == [(TASKS, None)]  # the expert plays (no policy)
+    assert any("2 of 3 expert episodes failed or scored 0" in r.getMessage() for r in caplog.records)
+    with pytest.raises(RuntimeError, match="stage 2: no usable expert trajectory"):
+        play_experts(_Pool([failed, unscored]), TASKS, 50, 2, "scienceworld")
