@@ -12,16 +12,22 @@ CPU mode (default): a tiny Qwen3 (hidden 128, 2 layers), float32, 512 examples o
 
 GPU mode (``--device cuda``): a Qwen3-shaped model with random weights (``--preset qwen3-1.7b``,
 ``qwen3-4b``, ``qwen3-8b``), bf16, examples like behavioural cloning (log-normal, mean ~1,000
-tokens, max 4,096, the last 16 labelled), micro-batch 4. MFU counts the model FLOPs of a frozen
+tokens, max 4,096, the last 16 labelled), micro-batch 4 (the plain loop's batch; ours packs). MFU counts the model FLOPs of a frozen
 base with LoRA: 4 x parameters per token (forward plus the input gradients) plus causal attention
 (QK^T and AV over each example's own prefix, forward and backward), over 989 TFLOP/s (H100/H200
-dense bf16). Extra rows (``--variants``): ``pack16k`` (16,384-token packs), ``zero2`` (DeepSpeed
-ZeRO-2 instead of DDP), ``liger`` (Liger's RMSNorm/SwiGLU/RoPE kernels).
+dense bf16). Ours runs with the defaults (on GPU: packs sized for the device, ``train.pack_tokens``
+auto, and the fused kernels, ``train.fused``). Extra rows (``--variants``): ``before`` (the earlier
+defaults: batch x mean-length packs, no fused kernels), ``unfused`` (device-sized packs, no fused
+kernels), ``compile`` (``train.compile``: each decoder layer through torch.compile), ``pack16k``
+(16,384-token packs), ``zero2`` (DeepSpeed ZeRO-2 instead of DDP), ``liger`` (Liger's
+RMSNorm/SwiGLU/RoPE kernels).
 
     python benchmarks/bench_train.py                                     # CPU
-    python benchmarks/bench_train.py --device cuda --preset qwen3-1.7b --variants pack16k zero2 liger
+    python benchmarks/bench_train.py --device cuda --preset qwen3-1.7b --variants before unfused pack16k
     python benchmarks/bench_train.py --n 64 --gpu-lengths   # the GPU mode's code path, on CPU
     python benchmarks/bench_train.py --startup --stages 4   # per-stage start-up of the training engines
+    python benchmarks/bench_train.py --device cuda --skip-plain --loop fused unfused compile before fused:16384 \
+        --profile kernels.txt                               # the loop in-process (no Ray), per variant
 
 ``--startup`` measures, side by side in one run, each stage's start-up (the stage's wall time outside
 its training steps: workers, process group, model load, adapter reset, moving the job and the
@@ -175,7 +181,12 @@ def ours(base: str, data: list[Example], args, tmp: Path, emit: Callable[[str, d
     common["cpus_per_worker"] = 4 if gpu else args.cpus
     base_cfg = TrainConfig(**common)
     stages = [("ours (cold stage)", base_cfg), ("ours", base_cfg)]
+    lengths = [len(e.input_ids) for e in data]
+    before = max(max(lengths), -(-args.batch * sum(lengths) // len(lengths)))  # the old default budget
     extra = {
+        "before": TrainConfig(**common, fused=False, pack_tokens=before),
+        "unfused": TrainConfig(**common, fused=False),
+        "compile": TrainConfig(**common, compile=True),
         "pack16k": TrainConfig(**common, pack_tokens=16384),
         "zero2": TrainConfig(**{**common, "strategy": "deepspeed"}),
         "liger": TrainConfig(**common, liger=True),
@@ -202,6 +213,96 @@ def ours(base: str, data: list[Example], args, tmp: Path, emit: Callable[[str, d
                         "peak_gib": r.peak_gib, "startup_s": wall - r.seconds, "loss": r.loss})  # fmt: skip
     finally:
         group.shutdown()
+
+
+LOOP_VARIANTS = ("fused", "unfused", "compile", "before")
+
+
+def loop_steps(base: str, data: list[Example], args, tmp: Path, emit: Callable[[str, dict], None]) -> None:
+    """``--loop``: the training loop in this process (no Ray), one model load per variant, timed per step.
+
+    Variants: ``fused`` (the GPU defaults: fused kernels, device-sized packs), ``unfused`` (the same
+    packs without them), ``compile`` (fused + ``train.compile``), ``before`` (the earlier defaults:
+    no fused kernels, batch x mean-length packs); a ``:N`` suffix sets the pack budget to N tokens.
+    Each runs ``--warmup`` steps (compilation included), then times ``--steps`` steps between device
+    synchronisations. ``--profile PATH`` writes the first variant's kernel table for one step.
+    """
+    import math
+
+    import torch
+
+    from hamo_ray.training.loop import ModelSpec, StepConfig, Stepper, load_model
+    from hamo_ray.training.packing import collate, device_pack_tokens, pack_batches
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    lengths = [len(e.input_ids) for e in data]
+    batch_budget = max(max(lengths), math.ceil(args.batch * sum(lengths) / len(lengths)))
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    for k, variant in enumerate(args.loop):
+        name, _, fixed = variant.partition(":")
+        t0 = time.perf_counter()
+        try:
+            if name not in LOOP_VARIANTS:
+                raise ValueError(f"unknown --loop variant {name!r} (one of {', '.join(LOOP_VARIANTS)})")
+            spec = ModelSpec(base, target_modules=tuple(TARGETS), bf16=cuda, packed=True,
+                             fused=name in ("fused", "compile"), compile=name == "compile")  # fmt: skip
+            lm = load_model(spec, device)
+            lm.reset_adapter(None, seed=0)
+            if fixed:
+                budget = int(fixed)
+            elif name == "before":
+                budget = batch_budget
+            else:
+                budget = device_pack_tokens(lm, lengths, args.batch, device)
+            packs = pack_batches(lengths, budget, 0, 0)
+            need = args.warmup + args.steps + (1 if args.profile and k == 0 else 0)
+            packs = (packs * math.ceil(need / len(packs)))[:need]
+            stepper = Stepper(lm, StepConfig(), len(packs), device)
+            lm.train()
+
+            def step(idx: list[int], stepper: Any = stepper) -> int:
+                batch = collate([data[i] for i in idx], packed=True)
+                stepper.step(-stepper.model(**batch.model_inputs(device)).mean())
+                return batch.tokens
+
+            for idx in packs[: args.warmup]:
+                step(idx)
+            sync()
+            warm = time.perf_counter() - t0
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            t = time.perf_counter()
+            tokens = sum(step(idx) for idx in packs[args.warmup : args.warmup + args.steps])
+            sync()
+            seconds = time.perf_counter() - t
+            if args.profile and k == 0:
+                from torch.profiler import ProfilerActivity, profile
+
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                with profile(activities=acts) as prof:
+                    step(packs[-1])
+                    sync()
+                table = prof.key_averages().table(
+                    sort_by="cuda_time_total" if cuda else "cpu_time_total",
+                    row_limit=40,
+                    max_name_column_width=70,
+                )
+                Path(args.profile).write_text(table)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+            del stepper, lm, step
+            if cuda:
+                torch.cuda.empty_cache()
+            emit(f"loop {variant} ({budget:,}-token packs)", {"tokens": tokens, "seconds": seconds, "padding": 0.0, "steps": args.steps,
+                                     "peak_gib": peak, "startup_s": warm, "pack_tokens": budget,
+                                     "ms_per_step": seconds / args.steps * 1e3})  # fmt: skip
+        except Exception as e:  # one variant failing (say, compile) leaves the others
+            logging.exception("%s failed", variant)
+            emit(f"loop {variant}", {"error": repr(e)[:300]})
 
 
 def startup(base: str, data: list[Example], args, tmp: Path, emit: Callable[[str, dict], None]) -> None:
@@ -245,11 +346,24 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=None, help="examples (default 512 CPU, 384 GPU)")
     parser.add_argument("--batch", type=int, default=None, help="micro-batch (default 8 CPU, 4 GPU)")
     parser.add_argument("--gpu-lengths", action="store_true", help="BC-like lengths on CPU too")
-    parser.add_argument("--variants", nargs="*", default=[], choices=["pack16k", "zero2", "liger", "padded"])
+    parser.add_argument(
+        "--variants", nargs="*", default=[],
+        choices=["before", "unfused", "compile", "pack16k", "zero2", "liger", "padded"],
+    )  # fmt: skip
     parser.add_argument("--cpus", type=int, default=2)
     parser.add_argument("--skip-plain", action="store_true")
     parser.add_argument("--startup", action="store_true", help="per-stage start-up of the training engines")
     parser.add_argument("--stages", type=int, default=4, help="--startup: stages per engine")
+    parser.add_argument(
+        "--loop",
+        nargs="*",
+        default=None,
+        metavar="VARIANT[:TOKENS]",
+        help=f"time the loop in-process instead (no Ray): {', '.join(LOOP_VARIANTS)}",
+    )
+    parser.add_argument("--warmup", type=int, default=3, help="--loop: untimed steps per variant")
+    parser.add_argument("--steps", type=int, default=5, help="--loop: timed steps per variant")
+    parser.add_argument("--profile", default=None, help="--loop: write the first variant's kernel table here")
     add_json_argument(parser, __file__)
     args = parser.parse_args()
     gpu = args.device == "cuda"
@@ -258,7 +372,6 @@ def main() -> None:
     args.batch = args.batch or (4 if gpu else 8)
     results = Results(__file__, args)
     logging.basicConfig(level=logging.WARNING)
-    import ray
     import torch
 
     torch.set_num_threads(args.cpus if not gpu else 8)
@@ -292,12 +405,17 @@ def main() -> None:
                 "plain transformers+peft",
                 plain_loop(str(Path(tmp) / "base"), data, args.batch, args.device, gpu, warmup),
             )
-        ray.init(address="local", num_cpus=max(args.cpus, 4 if gpu else 1), num_gpus=1 if gpu else 0,
-                 include_dashboard=False, configure_logging=False, log_to_driver=True)  # fmt: skip
-        try:
-            (startup if args.startup else ours)(str(Path(tmp) / "base"), data, args, Path(tmp), emit)
-        finally:
-            ray.shutdown()
+        if args.loop is not None:
+            loop_steps(str(Path(tmp) / "base"), data, args, Path(tmp), emit)
+        else:
+            import ray
+
+            ray.init(address="local", num_cpus=max(args.cpus, 4 if gpu else 1), num_gpus=1 if gpu else 0,
+                     include_dashboard=False, configure_logging=False, log_to_driver=True)  # fmt: skip
+            try:
+                (startup if args.startup else ours)(str(Path(tmp) / "base"), data, args, Path(tmp), emit)
+            finally:
+                ray.shutdown()
     if args.startup:
         print(f"\nstart-up per stage, {args.stages} stages of {args.n} examples, 2 workers on {args.device}")
         print(

@@ -1,9 +1,11 @@
 """Connecting to Ray, and the checks a job makes before it starts any work.
 
-``ray.address`` set: that cluster (``auto``, ``host:6379``, ``ray://...``), or ``local`` for a private
-instance. Unset: ``RAY_ADDRESS`` (``ray job submit`` sets it), else the cluster a ``ray start`` runs on
-this machine, as ``ray.init()`` finds it; with neither, a private local Ray advertising
-:func:`local_cpus` CPUs. Before any work a job refuses a relative run root under ``ray job submit
+``ray.address`` set: that cluster (``auto``: the one a ``ray start`` runs on this machine, as
+``ray.init()`` finds it; ``host:6379``, ``ray://...``), or ``local`` for a private instance. Unset:
+``RAY_ADDRESS`` when the environment sets it (``ray job submit`` does, for the job's own cluster), else a
+private local Ray advertising :func:`local_cpus` CPUs. A ``ray start`` on this machine is not joined
+unasked: Ray's current-cluster file is per machine, and the cluster it names may be another user's (whose
+Serve apps, CPUs and port a run would then share). Before any work a job refuses a relative run root under ``ray job submit
 --working-dir`` (:func:`check_cluster_paths`) and, on a private Ray, a ``serve.port`` another process
 holds (:func:`check_serve_port`). What runs on the cluster (Serve apps, adapters) is ``hamo_ray.runtime``.
 """
@@ -63,19 +65,12 @@ def check_cluster_paths(root: str, key: str = "run.root") -> None:
 def cluster_address(ray_cfg: RayConfig) -> str | None:
     """The cluster to join, or None for a private local Ray (see the module docstring).
 
-    A ``ray start`` on this machine is found the way ``ray.init()`` finds it: through the address
-    file it writes in Ray's temp folder.
+    ``ray.address=auto`` is passed to ``ray.init`` as it is: Ray then finds the cluster through
+    ``RAY_ADDRESS`` or the address file a ``ray start`` writes in its temp folder.
     """
     if ray_cfg.address:
         return None if ray_cfg.address == LOCAL else ray_cfg.address
-    if os.environ.get("RAY_ADDRESS"):
-        return os.environ["RAY_ADDRESS"]
-    try:  # private to Ray, but it is what ray.init() itself reads; a Ray without it: no cluster
-        from ray._private.utils import read_ray_address
-
-        return read_ray_address() or None
-    except Exception:
-        return None
+    return os.environ.get("RAY_ADDRESS") or None
 
 
 def start_ray(ray_cfg: RayConfig) -> bool:
@@ -88,7 +83,7 @@ def start_ray(ray_cfg: RayConfig) -> bool:
         True when this call connected (the caller may ``ray.shutdown()`` at its end).
 
     Raises:
-        ConnectionError: a configured address (``ray.address`` or ``RAY_ADDRESS``) does not answer.
+        ConnectionError: the cluster to join (``ray.address`` or ``RAY_ADDRESS``) does not answer.
     """
     import ray
 
@@ -96,17 +91,9 @@ def start_ray(ray_cfg: RayConfig) -> bool:
         return False
     address = cluster_address(ray_cfg)
     if address is not None:
-        try:
-            ray.init(address=address, configure_logging=False)
-            logger.info("joined the Ray cluster at %s", address)
-            return True
-        except ConnectionError:
-            if ray_cfg.address or os.environ.get("RAY_ADDRESS"):
-                raise
-            # Only found on disk: a `ray start` that has since died left its address file behind.
-            logger.warning(
-                "no Ray cluster answers at %s (stale address file); starting a private one", address
-            )
+        ray.init(address=address, configure_logging=False)
+        logger.info("joined the Ray cluster at %s", address)
+        return True
     cpus = local_cpus(ray_cfg)
     ray.init(
         address=LOCAL,
@@ -115,7 +102,7 @@ def start_ray(ray_cfg: RayConfig) -> bool:
         configure_logging=False,
         runtime_env={"worker_process_setup_hook": WORKER_SETUP_HOOK},
     )
-    logger.info("started a private local Ray with %d CPUs", cpus)
+    logger.info("started a private local Ray with %d CPUs (ray.address=auto joins a `ray start`)", cpus)
     global _started_private
     _started_private = True
     return True

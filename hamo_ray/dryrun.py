@@ -4,6 +4,8 @@ No GPU, no Ray started, no episode: per domain it loads one task (one ``reset``)
 
     python jobs/stream.py --config jobs/configs/paper-qwen3-8b-cross.yaml --dry-run
 
+Its second line says who can reach the endpoint (``serve.host``, whether an API key guards it).
+
 1. **Data sources** (``hamo_ray.envs.sources``): ScienceWorld's jar and Java, ALFWorld's games,
    WebShop's backend (the env server answers), the expert files (imported and validated). A missing
    one raises ``DataSourceError`` naming the setting and the path or URL (exit status 2).
@@ -245,6 +247,19 @@ def _plan(cfg: HamoConfig, out: Callable[[str], None], report: DryRunReport) -> 
             )
 
 
+def _exposure(cfg: HamoConfig) -> str:
+    """Who can reach the endpoint. A host beyond loopback without a key never gets here: loading the
+    config refuses it (``ServeConfig``), naming ``serve.api_key`` and ``HAMO_API_KEY``."""
+    from hamo_ray.config import is_loopback
+
+    s = cfg.serve
+    where = "this machine only" if is_loopback(s.host) else "other machines too"
+    if not s.api_key:
+        return f"endpoint: {s.host}:{s.port} ({where}), no API key: every route open to local users"
+    probes = "/health and /metrics too" if s.auth_probes else "/health and /metrics open (serve.auth_probes)"
+    return f"endpoint: {s.host}:{s.port} ({where}), every route behind the API key ({probes})"
+
+
 def dry_run(cfg: HamoConfig, out: Callable[[str], None] = print) -> DryRunReport:
     """Check sources, render prompts per domain, plan resources; print everything through ``out``.
 
@@ -267,6 +282,7 @@ def dry_run(cfg: HamoConfig, out: Callable[[str], None] = print) -> DryRunReport
     p = cfg.protocol
     out(f"dry run: method {cfg.method.name}, {p.kind} over {cfg.domains()}, {p.stages} stages, "
         f"experts from {cfg.env.expert_source}, model {cfg.model.path}")  # fmt: skip
+    out(_exposure(cfg))
     check_model_path(cfg.model.path)
     domains = {name: get_domain(name, cfg.env) for name in cfg.domains()}
     for name, domain in domains.items():

@@ -11,27 +11,43 @@ their Serve applications, guard their routes and publish adapters the same way::
     spec = endpoint.spec("stage-1", cfg, seed=0, retrieval=True)   # what rollout actors act with
     services.stop()
 
-**Serve applications.** The policy app is ``serve.app_name`` at ``serve.route_prefix``; the harness
-app is ``<app_name>-harness`` at ``<route_prefix>/harness``. A run on a shared endpoint (a sweep
-cell) suffixes both its harness app and route with ``-<run id>`` and its adapter names with the run
-id, so cells never collide. Every route is behind ``serve.api_key`` when it is set, and the key
-travels in every ``PolicySpec``.
+**Serve applications.** Named after the run id (``hamo_ray.naming``): the policy app
+``hamo-<run id>`` at ``/<run id>`` (or ``serve.app_name`` at ``serve.route_prefix`` when given), the
+harness app ``<app>-harness`` at ``<route>/harness``. A run on a shared endpoint (a sweep cell) names
+its harness app and route and its adapter names after its run id, so cells never collide. A job
+deploys only names no app on the cluster has (a leftover of a killed attempt of the same run folder
+excepted) and deletes only the apps it deployed; it stops Serve only if it started it and nothing else
+runs there. Every route is behind ``serve.api_key`` when it is set, and the key travels in every
+``PolicySpec``.
 
 **Adapters.** Without ``serve.adapter_store`` the replicas read the run folder's ``adapters/``.
-With a store (a folder every node sees, or an object-store URI), each stage folder is copied there
-unless the store already holds the same files, and published by its name in the store.
+With a store (a folder every node sees, or an object-store URI), the run has its own prefix there
+(``<store>/<run id>/``, its registry of served names too): each stage folder is copied there unless the
+store already holds the same files, and published by its name in the store.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from hamo_ray.config import ConfigError, HamoConfig
+from hamo_ray.naming import (
+    APPS_FILE,
+    cell_harness_names,
+    claim_apps,
+    memory_table,
+    release_apps,
+    serve_names,
+    shared_serve_names,
+    store_prefix,
+    sweep_name,
+)
 from hamo_ray.rollout.client import PolicySpec
 from hamo_ray.run_folder import RunFolder
+from hamo_ray.serving.adapters import DIGEST_CHARS
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +63,18 @@ class Endpoint:
     # A replica's own port (serve.direct_rollouts, one replica): rollouts send their chats there, with
     # base_url (Serve's route) as the fallback; None: rollouts use base_url.
     direct_url: str | None = None
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Block until the policy app (Serve's route: a replaced replica too) and the harness answer healthy.
+
+        Raises:
+            PolicyServerError: not healthy within ``timeout_s``.
+        """
+        from hamo_ray.serving.client import wait_healthy
+
+        wait_healthy(self.base_url, timeout_s, api_key=self.api_key)
+        if self.harness_url:
+            wait_healthy(self.harness_url, timeout_s, api_key=self.api_key)
 
     def spec(self, model: str, cfg: HamoConfig, *, seed: int | None, retrieval: bool = False) -> PolicySpec:
         """The ``PolicySpec`` rollout actors act with: served ``model``, the run's sampling, the key.
@@ -84,7 +112,8 @@ class Services:
         folder: the run folder (adapters, memory, committed stages).
         harness: start the harness app (retrieval over the run's memory).
         shared_url: an endpoint already serving this run's backbone (a sweep's); None starts one.
-        run_id: names this run's apps and adapters on a shared endpoint.
+        run_id: names this run's apps, adapter-store prefix and shared adapter names (default: the
+            run folder's name, which is the run id).
         max_stage: serve adapters and retrieve cards of stages up to this one only (None: all).
 
     Raises:
@@ -100,10 +129,13 @@ class Services:
     endpoint: Endpoint | None = field(default=None, init=False)  # set by start()
     served: dict[int, str] = field(default_factory=dict, init=False)  # stage -> published name
     failed: set[int] = field(default_factory=set, init=False)  # stages not proven live (skipped)
+    # Adapter name -> the path it was published from (what a merged engine loads; hamo_ray/serving/merged.py)
+    published: dict[str, str] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         from hamo_ray.serving.objstore import ObjectStore, ObjectStoreError, is_uri
 
+        self.run_id = self.run_id or self.folder.path.name
         location = self.cfg.serve.adapter_store
         self._store = None
         self.adapter_root: str = str(self.folder.adapters_dir)
@@ -111,6 +143,7 @@ class Services:
             if Path(location).expanduser().resolve() == self.folder.adapters_dir:
                 location = None  # the run's own adapters/: nothing to copy
         if location and self.shared_url is None:
+            location = store_prefix(location, self.run_id)  # runs sharing a store never share a name
             uri = location if is_uri(location) else Path(location).expanduser().resolve().as_uri()
             try:
                 self._store = ObjectStore(uri)
@@ -119,17 +152,32 @@ class Services:
             # A URI: replicas download what they serve; a folder: they read it in place.
             self.adapter_root = location if is_uri(location) else str(Path(location).expanduser().resolve())
         self._harness_app: str | None = None
+        self._created: list[str] = []  # the Serve apps this object deployed (stop() deletes them)
+        self._merged = None  # serving.merged.MergedApp, once a stage acts on merged weights
+        self._model_path: str | None = None
 
     @property
     def owns_endpoint(self) -> bool:
         return self.shared_url is None
 
-    def _suffix(self) -> str:
-        return "" if self.owns_endpoint else f"-{self.run_id}"
+    def app_names(self) -> tuple[str | None, str | None, str, str]:
+        """(policy app, its route, harness app, its route) of this run; the policy pair is None on a shared
+        endpoint (the sweep's). See ``hamo_ray.naming``."""
+        scfg = self.cfg.serve
+        if self.owns_endpoint:
+            return serve_names(scfg, self.run_id)
+        sweep = sweep_name(self.cfg.run.root)
+        return (None, None, *cell_harness_names(scfg, sweep, self.shared_url or "", self.run_id))
 
-    def adapter_name(self, stage: int, tag: str = "") -> str:
-        """The served name of a stage's adapter: ``stage-<t>``; prefixed by the run id when shared."""
-        name = f"stage-{stage}{tag}"
+    def adapter_name(self, stage: int, tag: str = "", digest: str = "") -> str:
+        """The served name of a stage's adapter: ``stage-<t><tag>:<digest>``, prefixed by the run id when
+        shared.
+
+        ``digest``: the adapter folder's content hash (``objstore.folder_digest``); its first 12 hex
+        digits name the weights, so a redone stage's new weights are served under a new name (never the
+        first attempt's under the old one), and a replica refuses a folder whose files no longer match.
+        """
+        name = f"stage-{stage}{tag}" + (f":{digest[:DIGEST_CHARS]}" if digest else "")
         return name if self.owns_endpoint else f"{self.run_id}-{name}"
 
     def start(self, model_path: str) -> Endpoint:
@@ -144,17 +192,20 @@ class Services:
         from hamo_ray.serving.harness import build_harness_app
 
         cfg, scfg = self.cfg, self.cfg.serve
+        policy_app, policy_route, harness_app, route = self.app_names()
+        wanted = [n for n in (harness_app if self.harness else None, policy_app) if n]
+        # Refused before anything is deployed: an app of one of these names that this job did not create.
+        claim_apps(wanted, self.folder.path / APPS_FILE, _cluster_id(), serve.status().applications)
+        self._created = wanted
         if self.owns_endpoint:  # before any app: the HTTP proxy takes serve.host:port
-            serve.start(
-                http_options={"host": scfg.host, "port": scfg.port},
-                logging_config={"enable_access_log": scfg.access_log},
-            )
+            _start_serve(scfg)
         if self.harness:
-            self._harness_app = f"{scfg.app_name}-harness{self._suffix()}"
-            route = f"{scfg.route_prefix.rstrip('/')}/harness{self._suffix()}"
+            self._harness_app = harness_app
+            # The harness reads the run's own table (named after the run id in a shared memory.uri).
+            memory = cfg.memory.model_copy(update={"table": memory_table(cfg.memory, self.run_id)})
             app = build_harness_app(
                 self.folder.memory_uri,
-                cfg.memory,
+                memory,
                 scfg.harness_num_cpus,
                 api_key=scfg.api_key,
                 max_request_bytes=scfg.max_request_bytes,
@@ -170,7 +221,7 @@ class Services:
         url = self.shared_url or start_policy_server(
             model_path,
             cfg.model,
-            scfg,
+            scfg.model_copy(update={"app_name": policy_app, "route_prefix": policy_route}),
             self.adapter_root,
             max_lora_rank=scfg.max_lora_rank,
         )
@@ -186,6 +237,7 @@ class Services:
             direct = direct_url(url, api_key=scfg.api_key)
             logger.info("rollouts chat with the replica's own port %s (fallback: %s)", direct, url)
         self.endpoint = Endpoint(url, harness_url, scfg.api_key, tokenizer=str(model_path), direct_url=direct)
+        self._model_path = str(model_path)
         return self.endpoint
 
     def publish(self, name: str, adapter: str | Path) -> dict:
@@ -204,7 +256,7 @@ class Services:
             raise RuntimeError("Services.publish before Services.start")
         scfg = self.cfg.serve
         path = self._served_path(self.folder.path / adapter)
-        return publish_adapter(
+        info = publish_adapter(
             self.endpoint.base_url,
             name,
             path,
@@ -213,6 +265,82 @@ class Services:
             timeout_s=scfg.publish_timeout_s,
             api_key=scfg.api_key,
         )
+        self.published[name] = path
+        return info
+
+    def eval_weights(self) -> str:
+        """``serve.eval_weights`` resolved: ``merged`` or ``adapter`` (``auto``: merged without GPUs)."""
+        from hamo_ray.serving.merged import resolve_eval_weights
+
+        scfg = self.cfg.serve
+        gpus = scfg.num_gpus > 0
+        if not gpus and scfg.eval_weights == "auto":
+            import ray
+
+            gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+        return resolve_eval_weights(scfg.eval_weights, gpus=gpus)
+
+    def acting(self, name: str | None) -> Endpoint:
+        """The endpoint a stage's rollouts act on as served ``name`` (None: the base model).
+
+        With merged weights (:meth:`eval_weights`) and an adapter this object published: the run's
+        merged app serving ``name`` (merged, deployed or replaced for it, its ``/health`` and
+        ``/v1/models`` checked to state ``name``, and its greedy probe checked against the adapter's
+        through LoRA); else, or when any of that fails (logged), the run's endpoint, which serves
+        ``name`` through LoRA. Either way the rollouts ask for ``name``.
+        """
+        from hamo_ray.serving.merged import MergedApp, probe_agreement
+
+        if self.endpoint is None:
+            raise RuntimeError("Services.acting before Services.start")
+        if name is None or name not in self.published or self.eval_weights() != "merged":
+            return self.endpoint
+        scfg = self.cfg.serve
+        try:
+            if self._merged is None:
+                from ray import serve
+
+                app, route = self._merged_names()
+                claim_apps([app], self.folder.path / APPS_FILE, _cluster_id(), serve.status().applications)
+                self._created.append(app)
+                mcfg = scfg.model_copy(update={"app_name": app, "route_prefix": route})
+                self._merged = MergedApp(
+                    self._model_path or "",
+                    self.cfg.model,
+                    mcfg,
+                    self.adapter_root,
+                    scfg.max_lora_rank,
+                    scfg.publish_timeout_s,
+                )
+            url, direct = self._merged.ensure(name, self.published[name])
+            agree = probe_agreement(
+                self.endpoint.base_url, name, url, scfg.probe_prompt, scfg.probe_tokens, api_key=scfg.api_key
+            )
+            if not agree["agree"]:
+                raise RuntimeError(f"merged and LoRA answers of {name!r} disagree: {agree}")
+        except Exception:
+            logger.exception("acting as %r through LoRA on the run's endpoint (merged weights failed)", name)
+            self.stop_acting()
+            return self.endpoint
+        logger.info("acting as %r on merged weights at %s (probe: %s)", name, url, agree)
+        return replace(self.endpoint, base_url=url, direct_url=direct)
+
+    def stop_acting(self) -> None:
+        """Delete the merged app (if one runs): its engine's memory goes back before the next stage."""
+        if self._merged is not None:
+            self._merged.stop()
+
+    def _merged_names(self) -> tuple[str, str]:
+        """(app, route) of this run's merged-weights policy app (``<policy app>-merged`` at
+        ``<route>/merged``; a sweep cell: ``<sweep app>-merged-<cell>`` at ``<shared route>/merged-<cell>``)."""
+        from hamo_ray.serving.merged import merged_app_names
+
+        policy_app, policy_route, harness_app, harness_route = self.app_names()
+        if policy_app is not None:
+            return merged_app_names(policy_app, policy_route)
+        head, _, cell = harness_app.rpartition("-harness-")
+        route_head, _, _ = harness_route.rpartition("/")
+        return f"{head}-merged-{cell}", f"{route_head}/merged-{cell}"
 
     def _served_path(self, local: Path) -> str:
         """Where a replica loads ``local`` from: the store (copied there unless it holds it) or in place."""
@@ -265,23 +393,73 @@ class Services:
         return published
 
     def stop(self) -> None:
-        """Delete this run's harness app and, when it owns it, the policy app (Serve stops when idle)."""
-        from ray import serve
+        """Delete the Serve apps this object deployed, and no other; stop Serve when this process started
+        it and no app is left."""
+        created, self._created = self._created, []
+        self._merged = None
+        _delete_apps(created, self.folder.path / APPS_FILE)
 
-        from hamo_ray.serving import shutdown_policy_server
 
-        try:
-            if self._harness_app:
-                serve.delete(self._harness_app)
-            if self.owns_endpoint:
-                shutdown_policy_server(self.cfg.serve)
-        except Exception:  # Serve already gone (the driver's Ray went down first)
-            logger.debug("serve shutdown failed", exc_info=True)
+_serve_started_here = False  # this process started Serve on its cluster (so it may stop it when idle)
+_shared_created: set[str] = set()  # the shared endpoints' apps this process deployed
+
+
+def _cluster_id() -> str:
+    """The connected cluster's GCS address: what the app record ties a deployment to."""
+    import ray
+
+    return str(ray.get_runtime_context().gcs_address)
+
+
+def _serve_running() -> bool:
+    """Whether Serve's controller runs on the connected cluster (starts nothing)."""
+    from ray import serve
+
+    try:
+        from ray.serve.context import _get_global_client  # private; serve.status() reads it the same way
+
+        return _get_global_client(raise_if_no_controller_running=False) is not None
+    except Exception:  # another Serve version
+        return bool(serve.status().applications)
+
+
+def _start_serve(scfg) -> None:
+    """Start Serve's proxy on ``serve.host:port`` unless Serve already runs on the cluster: then every app
+    shares its proxy (Serve keeps its own options), as two runs on one cluster do."""
+    from ray import serve
+
+    global _serve_started_here
+    if not _serve_running():
+        _serve_started_here = True
+    serve.start(
+        http_options={"host": scfg.host, "port": scfg.port},
+        logging_config={"enable_access_log": scfg.access_log},
+    )
+
+
+def _delete_apps(names: list[str], record_file: Path) -> None:
+    from ray import serve
+
+    try:
+        for name in names:
+            serve.delete(name)
+        release_apps(names, record_file)
+        if _serve_started_here and names and not serve.status().applications:
+            serve.shutdown()
+    except Exception:  # Serve already gone (the driver's Ray went down first)
+        logger.debug("serve shutdown failed", exc_info=True)
 
 
 def shared_serve_cfg(cfg: HamoConfig, index: int):
-    """The ``ServeConfig`` of a sweep's ``index``-th shared endpoint (one per backbone)."""
-    return cfg.serve.model_copy(update={"app_name": f"{cfg.serve.app_name}-{index}"})
+    """The ``ServeConfig`` of a sweep's ``index``-th shared endpoint (one per backbone): named after the
+    sweep (``hamo_ray.naming.shared_serve_names``)."""
+    app, route = shared_serve_names(cfg.serve, sweep_name(cfg.run.root), index)
+    return cfg.serve.model_copy(update={"app_name": app, "route_prefix": route})
+
+
+def _sweep_record(cfg: HamoConfig) -> Path:
+    """Where a sweep records its shared endpoints' apps: its root (the cells' ``run.root`` is <root>/cells)."""
+    return Path(cfg.run.root).expanduser().resolve().parent / APPS_FILE
 
 
 def start_shared_policy(cfg: HamoConfig, model_path: str, index: int) -> str:
@@ -298,10 +476,9 @@ def start_shared_policy(cfg: HamoConfig, model_path: str, index: int) -> str:
     from hamo_ray.serving import start_policy_server
 
     scfg = shared_serve_cfg(cfg, index)
-    serve.start(
-        http_options={"host": scfg.host, "port": scfg.port},
-        logging_config={"enable_access_log": scfg.access_log},
-    )
+    claim_apps([scfg.app_name], _sweep_record(cfg), _cluster_id(), serve.status().applications)
+    _shared_created.add(scfg.app_name)
+    _start_serve(scfg)
     return start_policy_server(
         model_path,
         cfg.model,
@@ -312,7 +489,9 @@ def start_shared_policy(cfg: HamoConfig, model_path: str, index: int) -> str:
 
 
 def stop_shared_policy(cfg: HamoConfig, index: int) -> None:
-    """Stop what :func:`start_shared_policy` started."""
-    from hamo_ray.serving import shutdown_policy_server
-
-    shutdown_policy_server(shared_serve_cfg(cfg, index))
+    """Stop what :func:`start_shared_policy` started (its app; Serve too when this process started it and
+    no app is left)."""
+    app = shared_serve_cfg(cfg, index).app_name
+    if app in _shared_created:  # never one this process was refused (another sweep's)
+        _shared_created.discard(app)
+        _delete_apps([app], _sweep_record(cfg))

@@ -31,8 +31,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-from hamo_ray.config import HamoConfig
+from hamo_ray.config import EvalConfig, HamoConfig
 from hamo_ray.envs.expert_cache import cached_experts, play_experts
+from hamo_ray.evaluation.faults import StageFailed, run_checked
 from hamo_ray.memory.pipeline import add_stage_cards, internalised, release_internalised, training_experience
 from hamo_ray.rollout.client import PolicySpec
 from hamo_ray.run_folder import PhaseClock, RunFolder
@@ -90,7 +91,7 @@ class Release(NamedTuple):
 def initial_stage(ctx: StageContext) -> StageResult:
     """Stage 0 (``protocol.eval_initial``): every domain's test set before any stage."""
     logger.info("=== stage 0: evaluation before any stage ===")
-    clock = PhaseClock()
+    clock = PhaseClock(tag="stage-0")
     with clock("evaluate"):
         scores, stats = evaluate_policy(ctx, 0, None)
     return StageResult.initial(ctx.cfg.method.name, scores, clock.seconds, stats)
@@ -101,7 +102,7 @@ def run_stage(ctx: StageContext, stage: int, domain: str, done: list[StageResult
 
     Each step is timed by ``PhaseClock`` into ``StageResult.seconds``; the caller commits the result.
     """
-    cfg, m, clock = ctx.cfg, ctx.cfg.method, PhaseClock()
+    cfg, m, clock = ctx.cfg, ctx.cfg.method, PhaseClock(tag=f"stage-{stage}")
     logger.info("=== stage %d/%d (%s, %s) ===", stage, cfg.protocol.stages, domain, m.name)
     with clock("collect"):  # 1. expert trajectories of the stage's tasks
         trajs = collect(ctx, stage, domain)
@@ -123,9 +124,7 @@ def run_stage(ctx: StageContext, stage: int, domain: str, done: list[StageResult
         if m.dpo:
             with clock("dpo"):
                 explored = explore(ctx, stage, domain, trajs, adapter.name)
-                tuned = dpo(ctx, stage, trajs, explored, adapter)
-                if tuned is not None:
-                    adapter = publish(ctx, stage, tuned)
+                adapter = publish(ctx, stage, dpo(ctx, stage, trajs, explored, adapter))
         if m.release and store is not None:  # docs/method.md step 6
             with clock("release"):
                 released = release(ctx, stage, domain, anchors, store, adapter.name, done)
@@ -210,14 +209,17 @@ def select(
 ) -> tuple[list[Trajectory], int]:
     """Step 3: anchors by retrieval coverage over the stage's cards (all, without selection).
 
-    A floor above the greedy saturation point is filled round-robin over the trajectories' task
-    types, ties drawn with the stage's seed (``run.seed * 1000 + stage``).
+    Cards are compared by the embedding ``selection.embed`` names: ``card``, the whole card (outline
+    included; ``card_vector``), or ``key``, its retrieval key (``vector``). A floor above the greedy
+    saturation point is filled round-robin over the trajectories' task types, ties drawn with the
+    stage's seed (``run.seed * 1000 + stage``).
 
     Returns:
         The anchors and the budget (how many).
     """
     sc, use = cfg.selection, cfg.method.selection and store is not None
-    vectors = store.vectors([t.card_id for t in trajs]) if use else None
+    column = "card_vector" if sc.embed == "card" else "vector"
+    vectors = store.vectors([t.card_id for t in trajs], column) if use else None
     floor = max(sc.min_budget, math.ceil(sc.min_fraction * len(trajs)))
     types = [(t.task.domain, t.task.task) for t in trajs]
     seed = cfg.run.seed * 1000 + stage
@@ -258,8 +260,11 @@ def train(
 
 
 def publish(ctx: StageContext, stage: int, adapter: Adapter, tag: str = "") -> Adapter:
-    """Step 6: ``adapter`` served under a new name (``stage-<t><tag>``), proven live; the named adapter."""
-    name = ctx.services.adapter_name(stage, tag)
+    """Step 6: ``adapter`` served under a new name (``stage-<t><tag>:<digest>``: the name says which weights),
+    proven live; the named adapter."""
+    from hamo_ray.serving.objstore import folder_digest
+
+    name = ctx.services.adapter_name(stage, tag, folder_digest(ctx.folder.path / adapter.path))
     ctx.services.publish(name, adapter.path)
     return replace(adapter, name=name)
 
@@ -269,17 +274,26 @@ def explore(
 ) -> list[Trajectory]:
     """ETO, first half: the stage's tasks played by the behavioural-cloning adapter ``adapter_name``."""
     cfg = ctx.cfg
-    spec = ctx.endpoint.spec(adapter_name, cfg, seed=stage_seed(cfg.run.seed, stage, "explore"))
-    return ctx.pools(domain).run([t.task for t in trajs], spec, desc=f"stage {stage} ETO exploration")
+    endpoint = _acting(ctx, adapter_name)  # serve.eval_weights: merged weights or LoRA
+    spec = endpoint.spec(adapter_name, cfg, seed=stage_seed(cfg.run.seed, stage, "explore"))
+    try:
+        return _run_checked(
+            ctx, domain, [t.task for t in trajs], spec, f"stage {stage} ETO exploration", endpoint
+        )
+    finally:
+        _stop_acting(ctx)  # DPO trains next: the merged engine's memory back
 
 
 def dpo(
     ctx: StageContext, stage: int, trajs: list[Trajectory], explored: list[Trajectory], bc: Adapter
-) -> Adapter | None:
+) -> Adapter:
     """ETO, second half: DPO on (expert, worse explored) pairs from ``bc`` into ``adapters/stage-<t>``.
 
     Returns:
-        The DPO adapter (not yet published), or None when no pair was found (``bc`` stays the stage's).
+        The DPO adapter (not yet published).
+
+    Raises:
+        StageFailed: no preference pair (the stage would commit its behavioural-cloning adapter as ETO's).
     """
     from hamo_ray.training.dpo import build_pairs
 
@@ -287,7 +301,12 @@ def dpo(
     encoded = ctx.trainer.encode_pairs(build_pairs(trajs, explored))
     logger.info("eto: %d failure/success pairs from %d explored episodes", len(encoded), len(explored))
     if not encoded:
-        return None
+        lost = sum(1 for t in explored if t.error)
+        raise StageFailed(
+            f"stage {stage}: ETO found no (expert, failure) preference pair in {len(explored)} explored "
+            f"episodes ({lost} failed); without DPO the stage would commit its behavioural-cloning adapter "
+            "as ETO's. Not committed: check the exploration episodes, then submit the same command again"
+        )
     rel = f"adapters/stage-{stage}"
     result = ctx.trainer.dpo(
         encoded, ctx.folder.path / bc.path, ctx.folder.path / rel, seed=stage_seed(cfg.run.seed, stage, "dpo"),
@@ -332,16 +351,17 @@ def release(
                 "release: %d of stage %d's %d released cards have no stored trajectory; not followed up",
                 len(wanted) - len(followup), prev.stage, len(wanted),
             )  # fmt: skip
-    spec = ctx.endpoint.spec(
-        adapter_name, cfg, seed=stage_seed(cfg.run.seed, stage, "release"), retrieval=False
-    )
+    endpoint = _acting(ctx, adapter_name)  # kept for the evaluation that follows
+    spec = endpoint.spec(adapter_name, cfg, seed=stage_seed(cfg.run.seed, stage, "release"), retrieval=False)
     tasks = [t.task for t in anchors] + [t.task for t in followup]
     by_domain: dict[str, list[int]] = {}  # one rollout per domain (cross-domain follow-ups differ)
     for i, task in enumerate(tasks):
         by_domain.setdefault(task.domain, []).append(i)
     episodes: list[Trajectory | None] = [None] * len(tasks)
     for d, idx in by_domain.items():
-        got = ctx.pools(d).run([tasks[i] for i in idx], spec, desc=f"stage {stage} release replay ({d})")
+        got = _run_checked(
+            ctx, d, [tasks[i] for i in idx], spec, f"stage {stage} release replay ({d})", endpoint
+        )
         for i, t in zip(idx, got, strict=True):
             episodes[i] = t
     replays, again = episodes[: len(anchors)], episodes[len(anchors) :]
@@ -367,38 +387,92 @@ def release(
 def evaluate_policy(
     ctx: StageContext, stage: int, model: str | None
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Step 7 for the served ``model`` (None: the base model), cards injected with ``method.retrieval``."""
+    """Step 7 for the served ``model`` (None: the base model), cards injected with ``method.retrieval``.
+
+    An adapter acts on merged weights when ``serve.eval_weights`` says so (``runtime.Services.acting``:
+    an engine checked to state ``model`` before any episode), deleted after the evaluation."""
     cfg = ctx.cfg
-    spec = ctx.endpoint.spec(
+    endpoint = _acting(ctx, model)
+    spec = endpoint.spec(
         model or cfg.model.name,
         cfg,
         seed=stage_seed(cfg.run.seed, stage, "evaluate"),
         retrieval=cfg.method.retrieval,
     )
-    return evaluate(ctx.pools, ctx.folder, stage, ctx.tasks.test, spec)
+    try:
+        return evaluate(ctx.pools, ctx.folder, stage, ctx.tasks.test, spec, cfg.eval, _healthy(ctx, endpoint))
+    finally:
+        _stop_acting(ctx)
+
+
+def _acting(ctx: StageContext, model: str | None) -> Any:
+    """The endpoint whose policy acts as ``model``: ``services.acting`` (merged weights or LoRA), else the run's."""
+    acting = getattr(ctx.services, "acting", None)
+    return ctx.endpoint if acting is None else acting(model)
+
+
+def _stop_acting(ctx: StageContext) -> None:
+    stop = getattr(ctx.services, "stop_acting", None)
+    if stop is not None:
+        stop()
+
+
+def _healthy(ctx: StageContext, endpoint: Any = None) -> Callable[[], None] | None:
+    """Blocks until ``endpoint`` (default: the run's) answers healthy (``eval.recover_timeout_s``); None
+    without one."""
+    wait = getattr(endpoint or ctx.endpoint, "wait_healthy", None)
+    return None if wait is None else lambda: wait(ctx.cfg.eval.recover_timeout_s)
+
+
+def _run_checked(
+    ctx: StageContext, domain: str, tasks: list[TaskSpec], spec: PolicySpec, desc: str, endpoint: Any = None
+):
+    """``pools(domain).run``, with faulted episodes replayed and a stage failure over ``eval``'s allowance."""
+    e = ctx.cfg.eval
+    wait = _healthy(ctx, endpoint)
+    return run_checked(ctx.pools(domain), tasks, spec, desc, e.max_failed_fraction, e.retries, wait)
 
 
 def evaluate(
-    pools: Callable[[str], Any], folder: RunFolder, stage: int, test_tasks: Mapping, spec: PolicySpec
+    pools: Callable[[str], Any],
+    folder: RunFolder,
+    stage: int,
+    test_tasks: Mapping,
+    spec: PolicySpec,
+    ecfg: EvalConfig | None = None,
+    wait: Callable[[], None] | None = None,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Step 7: every domain's test tasks against the endpoint; the episodes are saved.
 
+    Episodes lost to a fault (the engine died, a connection, a timeout, an actor, an environment) are
+    played again with the same seeds once ``wait`` returns (the endpoint healthy), up to
+    ``eval.retries`` times (``hamo_ray.evaluation.faults.run_checked``); more than
+    ``eval.max_failed_fraction`` of a domain's episodes still lost fails the stage (``StageFailed``):
+    a score over the survivors is never committed.
+
     Returns:
-        Domain -> mean score (0-100) over the episodes that ran (an episode that failed, e.g. its
-        prompt refused as too long, is left out of the mean and counted apart, never scored 0), and the
-        evaluation's figures: ``episodes`` and ``failed_episodes`` (also per domain,
+        Domain -> mean score (0-100) over the episodes that ran (an episode whose prompt did not fit the
+        context, or a fault within the allowance, is left out of the mean and counted apart, never
+        scored 0), and the evaluation's figures: ``episodes`` and ``failed_episodes`` (also per domain,
         ``episodes/<domain>``, ``failed/<domain>``), ``seconds_per_episode`` (wall time over all domains
         / episodes) and, where the endpoint reports vLLM's counters, ``prefix_cache_hit_rate`` (prompt
         tokens served from the prefix cache).
+
+    Raises:
+        StageFailed: too many episodes of a domain lost to faults (the message names the causes).
     """
     import time
 
     from hamo_ray.serving.client import hit_rate, prefix_cache_counters
 
+    ecfg = ecfg or EvalConfig()
     scores, stats, episodes, n_failed, start = {}, {}, 0, 0, time.perf_counter()
     before = prefix_cache_counters(spec.base_url, spec.api_key)
     for domain, tasks in test_tasks.items():
-        trajs = pools(domain).run(tasks, spec, desc=f"stage {stage} evaluation ({domain})")
+        desc = f"stage {stage} evaluation ({domain})"
+        trajs = run_checked(
+            pools(domain), list(tasks), spec, desc, ecfg.max_failed_fraction, ecfg.retries, wait
+        )
         folder.save_episodes(stage, domain, trajs)
         failed = [t for t in trajs if t.error]
         played = [t for t in trajs if not t.error]

@@ -142,6 +142,14 @@ class Stream:
         """Whether the run folder already holds every stage of this run."""
         return {r.stage for r in self.folder.stages()} >= set(self.expected_stages)
 
+    def _undo_uncommitted(self, done: list[StageResult]) -> None:
+        """What a killed attempt at the next stage changed beyond its files is undone before it is redone:
+        card releases (``method.release``). Its cards stay: a redo distils the same stored trajectories
+        into the same card ids, and the memory skips ids it holds."""
+        if not (self.cfg.method.uses_memory and self.cfg.method.release):
+            return
+        self.folder.store(self.cfg).restore_releases({i for r in done for i in r.released})
+
     def prepare_backbone(self) -> str:
         """Connect to Ray and return the backbone path, building the embedded one if needed."""
         start_ray(self.cfg.ray)
@@ -160,11 +168,19 @@ class Stream:
         Returns:
             The committed stages (stage 0 first when ``protocol.eval_initial``).
         """
+        self.folder.lock()  # one job per run folder; released when this job ends (or is killed)
+        try:
+            return self._run(base_url)
+        finally:
+            self.folder.unlock()
+
+    def _run(self, base_url: str | None) -> list[StageResult]:
         done = self.folder.prepare()
         todo = [s for s in self.expected_stages if s not in {r.stage for r in done}]
         if not todo:
             logger.info("run %s already holds all its stages; nothing to do", self.folder.path)
             return done
+        self._undo_uncommitted(done)
         from hamo_ray.tracking import Tracker, stage_scalars
         from hamo_ray.training.driver import StageTrainer
 

@@ -25,7 +25,9 @@ exactly those, not on a replay of the expert that may take another route. An ove
 
 Cells that finished earlier are skipped (their run folder holds every stage); a killed sweep
 resumes each unfinished cell after its last committed stage. Cells sharing a backbone share one
-policy endpoint (adapter names carry the cell's run id). At the end, every cell's
+policy endpoint, a Serve app named after the sweep (its root folder's name: ``hamo-sweep-tiny-0`` at
+``/sweep-tiny/0``; adapter names and each cell's harness app carry the cell's run id; ``hamo_ray.naming``),
+so two sweeps on one cluster do not meet. At the end, every cell's
 ``results/metrics.json`` is aggregated into ``<root>/results/summary.json``, a table and plots.
 
 ``results`` (optional; relative to the current directory, like ``root``) keeps a sweep's results when

@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from hamo_ray.config import HamoConfig, env_sections, upgrade_saved_config
-from hamo_ray.run_folder import compared
+from hamo_ray.config import HamoConfig, env_sections, mask_secrets, upgrade_saved_config
+from hamo_ray.run_folder import committed_stage_count, compared
 from hamo_ray.sweep_grid import SweepConfig
 
 logger = logging.getLogger("hamo_ray.sweep")
@@ -29,9 +29,13 @@ logger = logging.getLogger("hamo_ray.sweep")
 
 # What an export copies from a run folder (if there), besides the episodes; never the large outputs.
 _EXPORTED_FILES = ("config.yaml", "state.json", "results/scores.csv", "results/metrics.json", "report.md")
+# One row per evaluation episode. ``domain`` is the score column the episode counts towards, as the
+# report labels it (``alfworld@seen`` for ALFWorld's dev games, the seen rooms; ``protocol.eval_seen``),
+# ``split`` the split its task was drawn from (``test``, or ``dev`` for the seen rooms).
 EPISODE_COLUMNS = (
     "stage",
     "domain",
+    "split",
     "task",
     "variation",
     "score",
@@ -71,11 +75,62 @@ def _episode_order(path: Path) -> tuple[int, str]:
     return (int(m.group(1)) if m else -1, path.name)
 
 
+def _episode_column(path: Path) -> str | None:
+    """The score column of an episodes file ``stage-<t>-<column>.jsonl[.gz]`` (``alfworld@seen``), or None."""
+    m = re.match(r"stage-\d+-(.+?)\.jsonl(\.gz)?$", path.name)
+    return m.group(1) if m else None
+
+
+def episode_rows(path: Path, data: bytes) -> list[list[Any]]:
+    """The ``episodes.csv`` rows (``EPISODE_COLUMNS``) of one episodes file's content ``data``.
+
+    The domain is the file's score column (``alfworld@seen``), as the report (``hamo_ray.evaluation.metrics``,
+    ``hamo_ray.evaluation.report``) labels its scores; the split is the task's.
+    """
+    stage, column, rows = _episode_order(path)[0], _episode_column(path), []
+    for line in data.decode().splitlines():
+        if not line.strip():
+            continue
+        t = json.loads(line)
+        task = t.get("task", {})
+        rows.append(
+            [
+                "" if stage < 0 else stage,
+                column or task.get("domain", ""),
+                task.get("split", ""),
+                task.get("task", ""),
+                task.get("variation", ""),
+                t.get("score", 0.0),
+                len(t.get("actions", [])),
+                t.get("done", False),
+                t.get("error") or "",
+                len(t.get("cards_used", [])),
+                t.get("policy_tokens", 0),
+            ]
+        )
+    return rows
+
+
+def write_episodes_csv(export: str | Path) -> Path:
+    """Write an export's ``episodes.csv`` again from its ``episodes/*.jsonl.gz`` (an export made before
+    the ``split`` column and the ``@seen`` labels gets them). Returns the file."""
+    export = Path(export)
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(EPISODE_COLUMNS)
+    for f in sorted((export / "episodes").glob("*.jsonl.gz"), key=_episode_order):
+        writer.writerows(episode_rows(f, gzip.decompress(f.read_bytes())))
+    out = export / "episodes.csv"
+    out.write_text(buf.getvalue())
+    return out
+
+
 def export_cell(run_folder: str | Path, dest: str | Path) -> Path:
     """Copy a finished run folder's small results to ``dest``, replacing an earlier export there.
 
-    Copies ``config.yaml``, ``state.json``, ``results/scores.csv``, ``results/metrics.json`` and
-    ``report.md`` (those that exist), the evaluation episodes ``episodes/*.jsonl`` gzip-compressed as
+    Copies ``config.yaml`` (its secrets masked), ``state.json``, ``results/scores.csv``,
+    ``results/metrics.json`` and ``report.md`` (those that exist), the evaluation episodes
+    ``episodes/*.jsonl`` gzip-compressed as
     ``episodes/*.jsonl.gz``, and writes ``episodes.csv`` (one row per episode, ``EPISODE_COLUMNS``).
     Everything is written into ``.<name>.tmp`` beside ``dest`` and renamed into place last, so a killed
     export leaves no ``dest`` that looks finished.
@@ -100,6 +155,7 @@ def export_cell(run_folder: str | Path, dest: str | Path) -> Path:
         if (src / rel).is_file():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src / rel, tmp / rel)
+    _mask_saved_config(tmp / "config.yaml")
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(EPISODE_COLUMNS)
@@ -108,32 +164,26 @@ def export_cell(run_folder: str | Path, dest: str | Path) -> Path:
         (tmp / "episodes").mkdir(exist_ok=True)
         # mtime=0: the same episodes give the same bytes (no spurious change in the tracked folder)
         (tmp / "episodes" / f"{f.name}.gz").write_bytes(gzip.compress(data, mtime=0))
-        stage = _episode_order(f)[0]
-        for line in data.decode().splitlines():
-            if not line.strip():
-                continue
-            t = json.loads(line)
-            task = t.get("task", {})
-            writer.writerow(
-                [
-                    "" if stage < 0 else stage,
-                    task.get("domain", ""),
-                    task.get("task", ""),
-                    task.get("variation", ""),
-                    t.get("score", 0.0),
-                    len(t.get("actions", [])),
-                    t.get("done", False),
-                    t.get("error") or "",
-                    len(t.get("cards_used", [])),
-                    t.get("policy_tokens", 0),
-                ]
-            )
+        writer.writerows(episode_rows(f, data))
     (tmp / "episodes.csv").write_text(buf.getvalue())
     if dest.exists():  # replace: the old export moves aside, the new one in, then the old one goes
         os.replace(dest, old)
     os.replace(tmp, dest)
     shutil.rmtree(old, ignore_errors=True)
     return dest
+
+
+def _mask_saved_config(path: Path) -> None:
+    """Mask the secrets of an exported ``config.yaml`` (``***``): a run folder written before secrets
+    were masked may hold a key, and the export lands in a git-tracked folder. A masked file is kept as is.
+    """
+    try:
+        saved = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return
+    masked = mask_secrets(saved)
+    if masked != saved:
+        path.write_text(yaml.safe_dump(masked, sort_keys=False))
 
 
 def save_export(results: str | Path, name: str, run_folder: str | Path) -> Path | None:
@@ -215,6 +265,9 @@ def cell_metrics(name: str, cfg: HamoConfig, results: Path | None) -> dict | Non
             continue
         metrics = json.loads(f.read_text())
         done = min((len(v) for v in metrics.get("stage_scores", {}).values()), default=0)
+        committed = committed_stage_count(f.parent.parent)  # results run ahead of an uncommitted stage
+        if committed is not None:
+            done = min(done, committed)
         if done >= cfg.protocol.stages:
             return metrics
         partial = done if partial is None else partial

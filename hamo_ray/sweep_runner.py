@@ -141,15 +141,17 @@ def run_cells(
     urls: dict[str, str] = {}  # cell -> endpoint
     first_cfg = cfgs[todo[0]]
     failed: list[str] = []
-    started = 0  # endpoints asked for (a failed start may leave a partial one to stop)
+    # Endpoints asked for, one index per backbone (its app hamo-<sweep>-<index>, hamo_ray.naming): a failed
+    # start may leave a partial one to stop, and the next cell on that backbone tries the same name again.
+    indexes: dict[str, int] = {}
     try:
         # One endpoint per backbone, shared by the cells that use it (adapters under root/cells).
         for name in todo:
             try:
                 path = streams[name].prepare_backbone()
                 if path not in servers:
-                    started += 1
-                    servers[path] = start_shared_policy(cfgs[name], path, started - 1)
+                    index = indexes.setdefault(path, len(indexes))
+                    servers[path] = start_shared_policy(cfgs[name], path, index)
                 urls[name] = servers[path]
             except Exception as exc:  # this cell cannot start; the others go on
                 record_failure(name, streams[name].folder.path, exc, failed)
@@ -178,7 +180,7 @@ def run_cells(
                 except Exception as exc:  # a failed cell is reported; the others go on
                     record_failure(name, streams[name].folder.path, exc, failed)
     finally:
-        for n in range(started):
+        for n in range(len(indexes)):
             try:
                 stop_shared_policy(first_cfg, n)
             except Exception as exc:  # e.g. an endpoint that never came up

@@ -58,7 +58,8 @@ class Tracker:
         run_dir: the run folder; event files go to ``<run_dir>/tensorboard/<name>``.
         backends: from ``run.tracking``.
         name: the writer's sub-folder (``stream``, ``train``), one per process.
-        config: the resolved run config, recorded once by W&B and MLflow.
+        config: the resolved run config (``model_dump(mode="json")``), recorded once by W&B and MLflow
+            with its secrets masked (``***``).
     """
 
     def __init__(
@@ -69,6 +70,10 @@ class Tracker:
         config: dict[str, Any] | None = None,
     ) -> None:
         check_backends(backends)
+        if config:  # what W&B and MLflow record: never a secret (hamo_ray/config/secrets.py)
+            from hamo_ray.config.secrets import mask_secrets
+
+            config = mask_secrets(config)
         self.run_dir = Path(run_dir)
         self.backends = tuple(backends)
         self._tb = self._wandb = self._mlflow = None

@@ -6,7 +6,8 @@ pydantic models: cheap to pickle through Ray, easy to write as JSON lines, and v
 
 The id and key formats are defined here and nowhere else: ``TaskSpec.id``
 (``domain/task/split/variation``), :func:`trajectory_id` (``<task id>/<source>``), :func:`card_id`
-(a hash of the trajectory id) and :func:`key_text` (what is embedded for retrieval).
+(a hash of the trajectory id), :func:`key_text` (what is embedded for retrieval: goal and first
+observation) and :func:`card_text` (what is embedded for coverage selection: the whole card).
 """
 
 from __future__ import annotations
@@ -100,11 +101,23 @@ def key_text(goal: str, init_obs: str) -> str:
     return f"{goal}\n{init_obs}"
 
 
+def card_text(goal: str, init_obs: str, outline: str) -> str:
+    """The text embedded for coverage selection (``selection.embed: card``): the whole card, so two
+    cards are near when their strategies are, not only their start rooms (docs/method.md step 2).
+
+    The goal, the outline, then the initial observation: the embedding model reads a bounded number of
+    tokens (256 word pieces for the default), and a ScienceWorld start room alone runs to 230 of them,
+    so the room comes last, where truncation cuts it and never the outline.
+    """
+    return f"{goal}\n{outline}\n{init_obs}"
+
+
 class Card(_Frozen):
     """An experience card ``(goal, initial observation, outline)`` distilled from one trajectory.
 
-    This is the row schema of the LanceDB ``cards`` table (plus the embedding ``vector``, whose
-    width depends on the embedding model and is added by ``hamo_ray.memory.store``).
+    This is the row schema of the LanceDB ``cards`` table (plus the embeddings ``vector``, of the key,
+    and ``card_vector``, of the whole card, whose width depends on the embedding model; added by
+    ``hamo_ray.memory.schema``).
     """
 
     id: str
@@ -122,6 +135,11 @@ class Card(_Frozen):
     def key_text(self) -> str:
         """The text that is embedded and matched at retrieval time: (goal, initial observation)."""
         return key_text(self.goal, self.init_obs)
+
+    @property
+    def card_text(self) -> str:
+        """The text embedded for coverage selection: goal, outline and initial observation."""
+        return card_text(self.goal, self.init_obs, self.outline)
 
 
 class StageResult(_Frozen):

@@ -9,7 +9,8 @@ Against a running cluster (the run folder, or ``serve.adapter_store``, on storag
 the store may be an object-store URI such as ``s3://bucket/adapters``: the run's stage adapters
 missing there are uploaded, and every replica downloads what it serves)::
 
-    ray job submit --working-dir . -- python jobs/serve.py --run /shared/runs/tiny-hamo-s0 serve.host=0.0.0.0
+    ray job submit --working-dir . -- env HAMO_API_KEY_FILE=/shared/secrets/hamo-key \
+        python jobs/serve.py --run /shared/runs/tiny-hamo-s0 serve.host=0.0.0.0
 
 ``/v1/models`` lists the base model (``model.name``) and one name per committed stage adapter, the
 names the stream used (``stage-<t>``); the latest stage is the current adapter. Without
@@ -17,8 +18,10 @@ names the stream used (``stage-<t>``); the latest stage is the current adapter. 
 stages a still-running stream commits, each proven live before it is listed; ``--stage t`` serves
 stages 1..t only and retrieves only their cards. The harness answers ``POST /harness/retrieve``;
 a client builds HaMo's prompt from the cards with ``hamo_ray.prompting.build_messages`` (the
-function training uses), as the rollout workers do. The API key comes from ``--api-key``, else ``HAMO_API_KEY``, else
-``serve.api_key``; dotted overrides apply to the run's config.yaml (e.g. ``serve.num_replicas=2``).
+function training uses), as the rollout workers do. The API key comes from ``--api-key``, else a
+``serve.api_key=`` override, else ``HAMO_API_KEY`` or the file ``HAMO_API_KEY_FILE`` names (the run's
+config.yaml never holds it); a ``serve.host`` beyond loopback without one is refused. Dotted overrides
+apply to the run's config.yaml (e.g. ``serve.num_replicas=2``).
 
 Print the resolved config (the run's config.yaml, the overrides and the flags; the API key shown
 as ``***``) and exit, starting nothing::
@@ -32,7 +35,6 @@ base model and the services come from ``hamo_ray.serve_run``; this file is only 
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", help="overrides serve.host")
     parser.add_argument("--port", type=int, help="overrides serve.port")
     parser.add_argument(
-        "--api-key", help="bearer key for every route (default: $HAMO_API_KEY, serve.api_key)"
+        "--api-key", help="bearer key for every route (default: serve.api_key, $HAMO_API_KEY(_FILE))"
     )
     parser.add_argument(
         "--print-config",
@@ -70,13 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not (run / "config.yaml").is_file():
             raise ConfigError(f"{run} holds no config.yaml: not a run folder")
-        cfg = load_saved_config(run / "config.yaml", args.overrides)
-        update = {"api_key": args.api_key or os.environ.get("HAMO_API_KEY") or cfg.serve.api_key}
-        update |= {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-        cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update=update)})
-        if args.print_config:  # a secret never goes to a terminal or a job log
-            shown = {"api_key": "***"} if cfg.serve.api_key else {}
-            print(cfg.model_copy(update={"serve": cfg.serve.model_copy(update=shown)}).to_yaml(), end="")
+        # The flags are overrides like the dotted ones (validated: a non-loopback host needs a key); the
+        # key: --api-key, else a serve.api_key override, else HAMO_API_KEY(_FILE) (hamo_ray/config/secrets.py)
+        flags = (("host", args.host), ("port", args.port), ("api_key", args.api_key))
+        overrides = [*args.overrides, *(f"serve.{k}={v}" for k, v in flags if v is not None)]
+        cfg = load_saved_config(run / "config.yaml", overrides)
+        if args.print_config:  # secrets masked (***): a key never goes to a terminal or a job log
+            print(cfg.to_yaml(), end="")
             return 0
         services = run_services(run, cfg, args.stage)
         committed = {s.stage for s in services.folder.stages()}
@@ -104,10 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         services.publish_committed(strict=True)
         names = [cfg.model.name, *services.served.values()]
         print(f"serving {run.name} at {url}/v1: models {names}, current {current()!r}", flush=True)
-        while not stop.wait(cfg.serve.poll_interval_s):
-            if args.stage is None:
-                for name in services.publish_committed(strict=False):
-                    print(f"new adapter {name!r} live; current {current()!r}", flush=True)
+        if args.stage is None:
+            follow(services, stop, cfg.serve.poll_interval_s, lambda name: print(
+                f"new adapter {name!r} live; current {current()!r}", flush=True))  # fmt: skip
+        else:
+            while not stop.wait(cfg.serve.poll_interval_s):
+                pass
     finally:
         services.stop()
         if started_ray:
@@ -115,6 +119,44 @@ def main(argv: list[str] | None = None) -> int:
 
             ray.shutdown()
     return 0
+
+
+def follow(services, stop: threading.Event, interval_s: float, announce, max_backoff_s: float = 60.0) -> None:
+    """Publish the stages a still-running stream commits, every ``interval_s`` until ``stop`` is set.
+
+    A round runs only when the endpoint answers ``/health``, so a replica being replaced is waited
+    out rather than taken for an adapter that cannot be published. A round that fails on the way (the
+    endpoint unreachable or dropping the connection) is logged and tried again, the pause doubling
+    from ``interval_s`` up to ``max_backoff_s``; the loop ends only with ``stop``. ``announce`` is
+    called with each newly live adapter's name.
+    """
+    import logging
+
+    import httpx
+
+    log = logging.getLogger("hamo_ray.serve")
+    failures = 0
+    while not stop.wait(min(max_backoff_s, interval_s * 2**failures) if failures else interval_s):
+        try:
+            endpoint = services.endpoint
+            headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
+            health = httpx.get(f"{endpoint.base_url}/health", timeout=10.0, headers=headers)
+            if health.status_code != 200:
+                raise ConnectionError(f"{endpoint.base_url}/health answered {health.status_code}")
+            names = services.publish_committed(strict=False)
+        except (httpx.TransportError, OSError) as exc:  # ConnectionError, TimeoutError are OSErrors
+            failures += 1
+            pause = min(max_backoff_s, interval_s * 2**failures)
+            log.warning(
+                "following the run: the endpoint is not answering (%s: %s; replica restarting?); "
+                "trying again in %.0f s (failure %d in a row)", type(exc).__name__, exc, pause, failures,
+            )  # fmt: skip
+            continue
+        if failures:
+            log.info("following the run: the endpoint answers again after %d failed rounds", failures)
+        failures = 0
+        for name in names:
+            announce(name)
 
 
 if __name__ == "__main__":

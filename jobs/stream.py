@@ -19,9 +19,16 @@ inference prompt per domain with token counts, the resource plan; see hamo_ray/d
 
     python jobs/stream.py --config jobs/configs/paper-qwen3-8b-cross.yaml --dry-run
 
-Print the resolved config (defaults, the file's differences and the overrides, as one YAML)::
+Print the resolved config (defaults, the file's differences and the overrides, as one YAML; secrets
+shown as ``***``)::
 
     python jobs/stream.py --config jobs/configs/tiny.yaml train.epochs=1 --print-config
+
+Secrets come from the environment too: ``HAMO_API_KEY`` (or ``HAMO_API_KEY_FILE``, a file holding it)
+supplies ``serve.api_key``, ``HAMO_LLM_API_KEY(_FILE)`` ``memory.llm_api_key`` and
+``HAMO_STORAGE_OPTIONS(_FILE)`` ``memory.storage_options``; none is written to the run folder. A
+``serve.host`` beyond loopback without a key is refused (the ``paper-*`` presets need ``HAMO_API_KEY``).
+See docs/configuration.md and docs/serving.md.
 
 Exit status 2: a configuration error or a missing data source, named on stderr.
 """

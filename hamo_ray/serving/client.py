@@ -44,7 +44,7 @@ def base_url(serve_cfg: ServeConfig) -> str:
         import ray
 
         host = ray.util.get_node_ip_address()
-    return f"http://{host}:{serve_cfg.port}{serve_cfg.route_prefix.rstrip('/')}"
+    return f"http://{host}:{serve_cfg.port}{(serve_cfg.route_prefix or '/').rstrip('/')}"
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
@@ -113,8 +113,9 @@ def start_policy_server(
     app = build_app(model_path, model_cfg, serve_cfg, adapter_root, max_lora_rank, instance)
     serve.run(
         app,
-        name=serve_cfg.app_name,
-        route_prefix=serve_cfg.route_prefix,
+        # A run names its app and route after its run id (runtime.Services); a bare config: hamo at /.
+        name=serve_cfg.app_name or "hamo",
+        route_prefix=serve_cfg.route_prefix or "/",
         blocking=False,
         logging_config=logging_config,
     )
@@ -144,7 +145,7 @@ def shutdown_policy_server(serve_cfg: ServeConfig | None = None) -> None:
     from ray import serve
 
     try:
-        serve.delete((serve_cfg or ServeConfig()).app_name)
+        serve.delete((serve_cfg or ServeConfig()).app_name or "hamo")
         if not serve.status().applications:
             serve.shutdown()
     except Exception as exc:  # Serve already gone: nothing to stop

@@ -21,6 +21,8 @@ from hamo_ray.config import ModelConfig, ServeConfig
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_LORA_RANK = 16
+LORA_KWARGS = ("enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras", "fully_sharded_loras",
+               "lora_dtype", "default_mm_loras")  # fmt: skip
 
 
 def detect_device() -> str:
@@ -48,8 +50,14 @@ def engine_kwargs(
     *,
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
     device: str | None = None,
+    lora: bool = True,
 ) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.AsyncEngineArgs`` (plain values), ``serve.engine_kwargs`` merged last."""
+    """Keyword arguments of ``vllm.AsyncEngineArgs`` (plain values), ``serve.engine_kwargs`` merged last.
+
+    ``lora=False``: an engine without LoRA (merged weights, ``hamo_ray.serving.merged``); on CPU vLLM
+    then compiles the model (a LoRA engine runs eagerly), and the LoRA entries of ``serve.engine_kwargs``
+    are dropped.
+    """
     if max_lora_rank < 1:
         raise ValueError(f"max_lora_rank must be >= 1, got {max_lora_rank}")
     kwargs: dict[str, Any] = dict(
@@ -73,6 +81,9 @@ def engine_kwargs(
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = max(2048, model.max_model_len)
     kwargs.update(serve.engine_kwargs)  # the config's own engine arguments win
+    if not lora:
+        for key in LORA_KWARGS:
+            kwargs.pop(key, None)
     return kwargs
 
 
@@ -92,7 +103,14 @@ def check_engine_kwargs(kwargs: dict[str, Any]) -> None:
         )
 
 
-def start_engine(model_path, model: ModelConfig, serve: ServeConfig, *, max_lora_rank=DEFAULT_MAX_LORA_RANK):
+def start_engine(
+    model_path,
+    model: ModelConfig,
+    serve: ServeConfig,
+    *,
+    max_lora_rank=DEFAULT_MAX_LORA_RANK,
+    lora: bool = True,
+):
     """Start vLLM's ``AsyncLLM`` as ``vllm serve`` does; returns ``(engine, args)``, ``args`` being the
     ``argparse.Namespace`` that vLLM's ``init_app_state`` / ``build_app`` read.
 
@@ -109,7 +127,7 @@ def start_engine(model_path, model: ModelConfig, serve: ServeConfig, *, max_lora
     from vllm.v1.engine.async_llm import AsyncLLM
 
     check_engine_kwargs(serve.engine_kwargs)
-    kwargs = engine_kwargs(model_path, model, serve, max_lora_rank=max_lora_rank, device=device)
+    kwargs = engine_kwargs(model_path, model, serve, max_lora_rank=max_lora_rank, device=device, lora=lora)
     front = {k: kwargs.pop(k) for k in list(kwargs) if k in _fields(FrontendArgs) - _fields(AsyncEngineArgs)}
     front = {
         "chat_template_content_format": "string",

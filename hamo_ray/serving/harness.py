@@ -4,9 +4,15 @@ Rollout actors (and, through ``jobs/serve.py``, any client) ask it for the top-k
 (goal, initial observation); the embedding model loads once per replica, and each request reads
 the table's latest version, so cards written by the stream are visible at once.
 
-    POST {route}/retrieve  {"goal": "...", "init_obs": "...", "k": 2, "max_stage": null}
-      -> {"cards": [Card, ...], "scores": [float, ...]}
+    POST {route}/retrieve  {"goal": "...", "init_obs": "...", "k": 2, "max_stage": null, "domain": null}
+      -> {"cards": [Card, ...], "scores": [float, ...], "withheld": 0}
     GET  {route}/health
+
+Retrieval matches the query's key (goal, initial observation) against the cards' ``vector`` (their
+keys' embeddings), then gates the top-k as training does (``hamo_ray.memory.pipeline.gate``:
+``memory.gate_min_similarity``, ``memory.gate_same_domain``, off by default): ``cards`` are the injected
+ones, ``withheld`` counts those the gate held back (``domain``, the query's, is needed with
+``gate_same_domain``).
 
 Clients build the prompt from the cards themselves (``hamo_ray.prompting.build_messages``, the
 function training uses), so the policy server stays a plain OpenAI-compatible one. Routes are guarded
@@ -40,6 +46,7 @@ class RetrieveRequest(BaseModel):
     init_obs: str = Field(default="", max_length=100_000)
     k: int = Field(default=2, ge=1, le=50)
     max_stage: int | None = None
+    domain: str | None = None  # the query's domain (memory.gate_same_domain)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64)
@@ -81,25 +88,32 @@ class HarnessServer:
         return {"status": "ok"}
 
     def retrieve_cards(
-        self, goal: str, init_obs: str, k: int, max_stage: int | None = None
+        self, goal: str, init_obs: str, k: int, max_stage: int | None = None, domain: str | None = None
     ) -> dict[str, Any]:
-        """Top-``k`` cards for (goal, init_obs): ``{"cards": [Card as JSON], "scores": [cosine]}``
-        (ValueError when the memory's vector width is not the embedding model's)."""
+        """The cards to inject of the top-``k`` for (goal, init_obs), gated (``memory.gate_*``):
+        ``{"cards": [Card as JSON], "scores": [cosine], "withheld": n}`` (ValueError when the memory's
+        vector width is not the embedding model's, or ``gate_same_domain`` lacks the ``domain``)."""
         from hamo_ray.memory.embed import key_text
+        from hamo_ray.memory.pipeline import gate
 
         if self.max_stage is not None:
             max_stage = self.max_stage if max_stage is None else min(max_stage, self.max_stage)
         store = self._get_store()
         if store.count() == 0:
-            return {"cards": [], "scores": []}
+            gate([], self.memory, domain)  # the same refusal on an empty memory
+            return {"cards": [], "scores": [], "withheld": 0}
         vector = self.embedder.embed([key_text(goal, init_obs)])
-        hits = store.search(vector, k=k, max_stage=max_stage)[0]
-        return {"cards": [c.model_dump(mode="json") for c, _ in hits], "scores": [float(s) for _, s in hits]}
+        hits, withheld = gate(store.search(vector, k=k, max_stage=max_stage)[0], self.memory, domain)
+        return {
+            "cards": [c.model_dump(mode="json") for c, _ in hits],
+            "scores": [float(s) for _, s in hits],
+            "withheld": len(withheld),
+        }
 
     @harness_api.post("/retrieve")
     def retrieve(self, req: RetrieveRequest) -> dict:
         try:
-            return self.retrieve_cards(req.goal, req.init_obs, req.k, req.max_stage)
+            return self.retrieve_cards(req.goal, req.init_obs, req.k, req.max_stage, req.domain)
         except ValueError as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from exc
 

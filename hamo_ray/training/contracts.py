@@ -38,6 +38,8 @@ class ModelSpec:
     gradient_checkpointing: bool = False
     packed: bool = True
     liger: bool = False
+    fused: bool = False  # fused LoRA linear, RMSNorm and loss (fused.py)
+    compile: bool = False  # torch.compile each decoder layer (dynamic shapes)
 
     @classmethod
     def from_config(cls, tcfg: Any, base_path: str, lora: bool = True) -> ModelSpec:
@@ -55,7 +57,17 @@ class ModelSpec:
             gradient_checkpointing=tcfg.gradient_checkpointing,
             packed=tcfg.packing,
             liger=tcfg.liger and tcfg.use_gpu,
+            fused=_fused(tcfg),
+            compile=tcfg.compile,
         )
+
+
+def _fused(tcfg: Any) -> bool:
+    """``train.fused`` (None: on GPU), never under ZeRO-3 (its parameter gathering needs the modules' calls)."""
+    from hamo_ray.training.trainer import resolve_strategy
+
+    fused = tcfg.use_gpu if tcfg.fused is None else tcfg.fused
+    return fused and not (tcfg.zero_stage == 3 and resolve_strategy(tcfg) == "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -83,7 +95,7 @@ class StageJob:
     examples: Any
     out_dir: str
     batch_size: int  # examples per padded micro-batch
-    pack_tokens: int  # tokens per packed micro-batch
+    pack_tokens: int  # tokens per packed micro-batch; 0: the worker chooses for its device (packing.py)
     bucket_pool: int
     epochs: int
     seed: int = 0

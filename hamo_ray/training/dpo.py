@@ -184,7 +184,7 @@ def train_dpo(
         tcfg, base_path, ray.put(list(pairs)), out_dir, lengths, lr=lr, epochs=epochs or tcfg.dpo_epochs,
         seed=seed, pad_id=pad_id, init_adapter=init_adapter, name=name,
     )  # fmt: skip
-    # one pair per step unless train.pack_tokens says more
-    stage = replace(stage, batch_size=1, pack_tokens=pack_budget(tcfg, lengths, 1))
+    # one pair per step unless train.pack_tokens gives a number
+    stage = replace(stage, batch_size=1, pack_tokens=pack_budget(tcfg, lengths, 1, device_auto=False))
     job = DpoJob(stage=stage, beta=beta if beta is not None else tcfg.dpo_beta)
     return on_group(tcfg, group, name, lambda g: g.train_dpo(job))

@@ -16,7 +16,8 @@ A stage on a worker (both losses) runs these parts through ``stage.py`` (``begin
 
 :class:`ActionLM` runs the decoder and applies the LM head only at the positions whose next token
 is labelled (gathered with indices computed on the host), so the ``tokens x vocabulary`` logits
-never exist; with bf16 the LoRA weights are bf16 too (no per-layer casts) and the optimizer keeps
+never exist (with ``ModelSpec.fused``, the default on GPU, those rows' logits are computed chunk by
+chunk and recomputed in the backward pass, and the LoRA linears and RMSNorms run fused: ``fused.py``); with bf16 the LoRA weights are bf16 too (no per-layer casts) and the optimizer keeps
 float32 master copies (:class:`Stepper`). Losses and token counts stay on the device until the
 epoch ends: no host synchronisation per step.
 """
@@ -37,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 def _action_lm_class():
     import torch
+
+    from hamo_ray.training.packing import packed_on_device
 
     class ActionLM(torch.nn.Module):
         """A causal LM (peft-wrapped for LoRA) whose forward returns the labelled tokens' log-probs."""
@@ -61,8 +64,14 @@ def _action_lm_class():
                     arguments (see ``packing.Batch.model_inputs``).
             """
             decoder, head = self._decoder_and_head()
+            if self.spec.compile and self.spec.bf16 and input_ids.is_cuda and packed_on_device():
+                kwargs.pop("seq_lens", None)  # a host list: every new one would recompile the layers
             hidden = decoder(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
             picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, hidden_index)
+            if self.spec.fused and type(head) is torch.nn.Linear and head.bias is None:
+                from hamo_ray.training.fused import chunked_logprobs
+
+                return chunked_logprobs(picked, head.weight, targets)
             logits = head(picked).float()
             return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
 
@@ -130,7 +139,8 @@ def load_model(spec: ModelSpec, device: Any = "cpu") -> Any:
     """Load the base model of ``spec`` on ``device`` and wrap it (with a fresh LoRA) in an ``ActionLM``.
 
     bf16 loads the weights in bf16 and keeps the LoRA weights in bf16 too; packed specs use the
-    ``hamo_packed`` attention (``packing.py``), padded ones SDPA.
+    ``hamo_packed`` attention (``packing.py``), padded ones SDPA; ``spec.fused`` swaps in the fused
+    LoRA linear, RMSNorm and loss of ``fused.py``.
 
     Raises:
         OSError: ``spec.base_path`` is not a model folder or hub id that loads.
@@ -164,8 +174,37 @@ def load_model(spec: ModelSpec, device: Any = "cpu") -> Any:
         )
         # autocast_adapter_dtype=False: the adapter stays in the model's dtype (no float32 casts per layer).
         model = get_peft_model(model, lora, autocast_adapter_dtype=False)
+    if spec.fused:  # fused LoRA linears and RMSNorm (fused.py); the loss's head in ActionLM.forward
+        from hamo_ray.training.fused import fuse_lora, fuse_rms_norm
+
+        n_lora = fuse_lora(model) if spec.lora else 0
+        n_norm = 0 if spec.liger else fuse_rms_norm(model)
+        logger.info("fused kernels: %d LoRA linears, %d RMSNorms", n_lora, n_norm)
+    if spec.compile:
+        _compile_layers(model)
     lm = _action_lm_class()(model, spec)
     return lm.to(device)
+
+
+def _compile_layers(model: Any) -> None:
+    """``torch.compile`` every decoder layer in place (dynamic shapes: one graph for every pack size).
+
+    The layers share their code, so they share the compiled graphs; the packed batch's host-side
+    ``seq_lens`` do not reach them where the varlen kernel runs (``ActionLM.forward``).
+    """
+    import torch
+
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, torch.nn.ModuleList) and len(m) and "Layer" in type(m[0]).__name__
+    ]
+    if not layers:
+        raise ValueError(f"train.compile: no decoder layers found in {type(model).__name__}")
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for layer in layers[0]:
+        layer.compile(dynamic=True)
+    logger.info("torch.compile: %d decoder layers", len(layers[0]))
 
 
 def _apply_liger(model: Any) -> None:

@@ -76,6 +76,49 @@ def pack_batches(
     return packs
 
 
+AUTO_MEMORY_SHARE = 0.55  # of the device's memory, for the weights and one pack's saved activations
+AUTO_MAX_TOKENS = 65_536
+AUTO_MIN_STEPS = 8  # packs per epoch at least (the optimizer still takes steps on a small stage)
+
+
+def device_pack_tokens(lm: Any, lengths: list[int], batch_size: int, device: Any) -> int:
+    """The token budget of a pack for this device (``train.pack_tokens: auto``, the GPU default).
+
+    On a GPU: what :data:`AUTO_MEMORY_SHARE` of its memory holds after the weights, at the
+    activations one token keeps for the backward pass (``2 x layers x (12 hidden + 4 intermediate)``
+    bytes in bf16, about 2.8 MiB on Qwen3-1.7B, which measured 48 GiB peak with 16,384-token packs;
+    ``2 x layers x hidden`` under gradient checkpointing) rounded down to 1,024, at most
+    :data:`AUTO_MAX_TOKENS` and an epoch's tokens / :data:`AUTO_MIN_STEPS`, never below the longest example.
+    The smallest over the ranks (one collective), so every rank packs alike. Elsewhere (CPU):
+    ``batch_size`` x the mean length, at least the longest example, as without ``auto``.
+    """
+    import math
+
+    import torch
+
+    longest = max(lengths, default=1)
+    if torch.device(device).type != "cuda":
+        mean = sum(lengths) / max(1, len(lengths))
+        return max(longest, math.ceil(batch_size * mean))
+    cfg = lm.model.config
+    layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
+    inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
+    width = 2 if lm.spec.bf16 else 4
+    per_token = width * layers * (2 * hidden if lm.spec.gradient_checkpointing else 12 * hidden + 4 * inter)
+    weights = sum(p.numel() * p.element_size() for p in lm.parameters())
+    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    budget = int((AUTO_MEMORY_SHARE * total - weights) // per_token) // 1024 * 1024
+    budget = max(longest, min(budget, AUTO_MAX_TOKENS, math.ceil(sum(lengths) / AUTO_MIN_STEPS)))
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([budget], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        budget = int(t.item())
+    logger.info("pack budget for %s: %d tokens", torch.cuda.get_device_name(torch.device(device)), budget)
+    return budget
+
+
 @dataclass
 class Batch:
     """One micro-batch on the host, packed (one row) or padded (one row per example).
@@ -212,8 +255,6 @@ def packed_attention(
     import torch
 
     seq_lens = kwargs.get("seq_lens")
-    if seq_lens is None:
-        raise ValueError("hamo_packed attention needs the packed batch's seq_lens (use packing.collate)")
     groups = query.shape[1] // key.shape[1]
     # The kernel is probed once at model load (prepare_varlen), never here: a probe inside a
     # gradient-checkpointed forward would add tensors to the checkpoint and break its recomputation.
@@ -233,6 +274,8 @@ def packed_attention(
             extra["window_size"] = (-1, 0)
         out = fn(q, k, v, cu, cu, longest, longest, **extra)
         return out.unsqueeze(0), None
+    if seq_lens is None:
+        raise ValueError("hamo_packed attention needs the packed batch's seq_lens (use packing.collate)")
     outs, start = [], 0
     for n in seq_lens:  # exact per-sequence causal attention (CPU, or no varlen kernel)
         sl = slice(start, start + n)
@@ -248,6 +291,11 @@ def packed_attention(
         )
         start += n
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def packed_on_device() -> bool:
+    """True once :func:`prepare_varlen` found the varlen kernel usable (packed attention needs no host lengths)."""
+    return _VARLEN.get("fn") is not None
 
 
 def prepare_varlen() -> bool:

@@ -87,6 +87,12 @@ class StageRun:
     """
 
     def __init__(self, worker: Any, job: StageJob, lm: Any, lengths: list[int], t0: float) -> None:
+        if job.spec.packed and job.pack_tokens == 0:  # chosen here, for this device (same on every rank)
+            from dataclasses import replace
+
+            from hamo_ray.training.packing import device_pack_tokens
+
+            job = replace(job, pack_tokens=device_pack_tokens(lm, lengths, job.batch_size, worker.device))
         self.worker, self.job, self.lm, self.lengths = worker, job, lm, lengths
         per_rank = len(rank_share(make_batches(lengths, job, 0), worker.rank, worker.world))
         total = per_rank * job.epochs

@@ -64,10 +64,14 @@ def resolve_strategy(tcfg: TrainConfig, strategy: str | None = None) -> str:
     return strategy
 
 
-def pack_budget(tcfg: TrainConfig, lengths: list[int], batch_size: int) -> int:
-    """Tokens per packed micro-batch: ``tcfg.pack_tokens``, else batch_size x the mean length."""
-    if tcfg.pack_tokens:
+def pack_budget(tcfg: TrainConfig, lengths: list[int], batch_size: int, device_auto: bool = True) -> int:
+    """Tokens per packed micro-batch: ``tcfg.pack_tokens``; 0 where the worker chooses for its device
+    (``"auto"``, or None with ``use_gpu``; ``packing.device_pack_tokens``) unless ``device_auto`` is
+    False; else batch_size x the mean length, at least the longest example."""
+    if isinstance(tcfg.pack_tokens, int):
         return tcfg.pack_tokens
+    if device_auto and (tcfg.pack_tokens == "auto" or tcfg.use_gpu):
+        return 0
     mean = sum(lengths) / max(1, len(lengths))
     return max(max(lengths, default=1), math.ceil(batch_size * mean))
 

@@ -1,4 +1,5 @@
-"""Training on CUDA: packed bf16 batches equal padded ones, BC and ETO's DPO on the shared loop on the GPU.
+"""Training on CUDA: packed bf16 batches equal padded ones, the fused kernels and compiled layers equal the
+plain ones, the device's pack budget, BC and ETO's DPO on the shared loop on the GPU.
 
 Auto-skipped without CUDA (tests/conftest.py). Starts its own local Ray when none is running.
 
@@ -46,14 +47,15 @@ def _examples(n: int, seed: int = 0) -> list[Example]:
     return out
 
 
-def _lm(backbone: str, packed: bool, bf16: bool):
+def _lm(backbone: str, packed: bool, bf16: bool, fused: bool = False, compile: bool = False):
     import torch
 
     from hamo_ray.training.loop import ModelSpec, load_model
 
     spec = ModelSpec(
-        backbone, lora_r=8, lora_alpha=16, target_modules=tuple(TARGETS), bf16=bf16, packed=packed
-    )
+        backbone, lora_r=8, lora_alpha=16, target_modules=tuple(TARGETS), bf16=bf16, packed=packed,
+        fused=fused, compile=compile,
+    )  # fmt: skip
     lm = load_model(spec, "cuda")
     lm.reset_adapter(None, seed=0)
     torch.manual_seed(1)
@@ -93,6 +95,66 @@ def test_packed_equals_padded_on_cuda(backbone, bf16):
         assert packing.prepare_varlen(), "torch's varlen flash attention is unusable here (per-sequence SDPA)"
 
 
+def _step(lm, exs, packed: bool = True):
+    from hamo_ray.training import packing
+
+    batch = packing.collate(exs, packed=packed)
+    loss = -lm(**batch.model_inputs("cuda")).mean()
+    lm.zero_grad(set_to_none=True)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.float() for n, p in lm.named_parameters() if p.requires_grad}
+
+
+def _close(a, b, tol_loss: float, tol_grad: float) -> None:
+    (la, ga), (lb, gb) = a, b
+    assert la == pytest.approx(lb, rel=tol_loss)
+    assert set(ga) == set(gb)
+    for name, g in ga.items():
+        err = float((g - gb[name]).norm() / (gb[name].norm() + 1e-12))
+        assert err < tol_grad, (name, err)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fused_kernels_equal_unfused_on_cuda(backbone, bf16):
+    """ModelSpec.fused (the GPU default: fused LoRA linears, torch.rms_norm, chunked loss): same loss and grads."""
+    exs = _examples(6)
+    fused = _step(_lm(backbone, True, bf16, fused=True), exs)
+    plain = _step(_lm(backbone, True, bf16), exs)
+    _close(fused, plain, 2e-2 if bf16 else 1e-5, 5e-2 if bf16 else 1e-4)
+
+
+def test_compiled_layers_equal_eager_without_recompiling(backbone):
+    """train.compile: each decoder layer compiled once with dynamic shapes; packs of other sizes reuse it."""
+    import torch
+
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    lm = _lm(backbone, True, True, fused=True, compile=True)
+    eager = _lm(backbone, True, True, fused=True)
+    graphs = []
+    for seed, n in ((0, 6), (1, 9), (2, 4)):  # three pack sizes
+        exs = _examples(n, seed)
+        _close(_step(lm, exs), _step(eager, exs), 2e-2, 5e-2)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 2, (graphs, dict(counters["stats"]))
+
+
+def test_device_pack_tokens_on_cuda(backbone):
+    """train.pack_tokens auto on a GPU: from its memory, a multiple of 1,024, at least the longest example."""
+    import torch
+
+    from hamo_ray.training.packing import AUTO_MAX_TOKENS, device_pack_tokens
+
+    lm = _lm(backbone, True, True)
+    lengths = [len(e.input_ids) for e in _examples(4000)]  # ~370k tokens: the memory or the cap decides
+    budget = device_pack_tokens(lm, lengths, 4, torch.device("cuda"))
+    assert budget % 1024 == 0 and max(lengths) <= budget <= AUTO_MAX_TOKENS
+    small = [len(e.input_ids) for e in _examples(40)]  # a small stage: still 8 packs or more
+    assert max(small) <= device_pack_tokens(lm, small, 4, torch.device("cuda")) <= -(-sum(small) // 8)
+    assert device_pack_tokens(lm, [5000], 4, torch.device("cuda")) == 5000  # never below the longest
+
+
 @pytest.mark.parametrize("engine", ["ray_train", "actors"])
 def test_bc_stages_on_one_gpu_group(ray_gpu, backbone, tmp_path, engine):
     """Two behavioural-cloning stages (DDP strategy, bf16, packed) on one group: the second starts fast.
@@ -121,6 +183,7 @@ def test_bc_stages_on_one_gpu_group(ray_gpu, backbone, tmp_path, engine):
     finally:
         group.shutdown()
     assert r1.losses[1] < r1.losses[0] and r1.padding == 0.0 and r1.peak_gib > 0
+    assert r1.steps >= 2 * 8  # the GPU default packs (chosen on the worker) keep >= 8 steps per epoch
     assert r2.startup_s < 5.0, r2.startup_s
     assert (tmp_path / "s2" / "adapter_model.safetensors").exists()
 

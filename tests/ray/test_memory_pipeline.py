@@ -151,3 +151,74 @@ def test_llm_pipeline_rejects_bad_rows_falls_back_and_skips_stored(ray_session, 
     assert release_internalised(store, trajectories[:3], replays, strict) == []
     assert len(release_internalised(store, trajectories[:3], replays, mcfg)) == 3
     assert store.count(include_released=False) == 17
+
+
+def _scienceworld_experts() -> list[Trajectory]:
+    """Real gold trajectories: the two lifespan task types (whose variations share their animals) and
+    find-living-thing (same variation numbers, another topic), variations 0-2 of the train split."""
+    import shutil
+
+    if shutil.which("java") is None:
+        pytest.skip("ScienceWorld needs a Java runtime")
+    from hamo_ray.config import EnvConfig
+    from hamo_ray.envs.base import get_domain
+
+    domain, out = get_domain("scienceworld", EnvConfig()), []
+    with domain.make_env() as env:
+        for task in ("lifespan-longest-lived", "lifespan-shortest-lived", "find-living-thing"):
+            for spec in domain.tasks("train", task, limit=3):
+                goal, init_obs = env.reset(spec)
+                actions, observations, score = [], [], 0.0
+                for action in env.expert_actions():
+                    result = env.step(action)
+                    actions.append(action)
+                    observations.append(result.observation)
+                    score = result.score
+                    if result.done:
+                        break
+                out.append(
+                    Trajectory(
+                        task=spec, goal=goal, init_obs=init_obs, actions=actions, observations=observations,
+                        score=score, done=True, source="expert",
+                    )
+                )  # fmt: skip
+    return out
+
+
+def test_real_cards_carry_both_vectors_and_training_never_sees_a_twin(ray_session, tmp_path, embedder):
+    """Real ScienceWorld cards through the pipeline: ``vector`` embeds the key, ``card_vector`` the whole
+    card; training-time retrieval skips every card of the example's world (the other lifespan type's
+    card of the same variation names the animals present), which plain nearest-other retrieval returns."""
+    from hamo_ray.memory import training_experience
+    from hamo_ray.memory.worlds import world_of_card, world_of_trajectory
+    from hamo_ray.types import card_text, key_text
+
+    trajs = _scienceworld_experts()
+    assert len(trajs) == 9 and all(t.score == 100.0 for t in trajs)
+    mcfg = MemoryConfig(batch_size=4)
+    store = MemoryStore(str(tmp_path / "memory"), dim=embedder.dim)
+    assert write_cards(build_cards_dataset(trajs, stage=1, mcfg=mcfg), store) == 9
+    cards = store.cards()
+    ids = [c.id for c in cards]
+    np.testing.assert_allclose(
+        store.vectors(ids), embedder.embed([key_text(c.goal, c.init_obs) for c in cards]), atol=1e-4
+    )
+    np.testing.assert_allclose(
+        store.vectors(ids, "card_vector"),
+        embedder.embed([card_text(c.goal, c.init_obs, c.outline) for c in cards]),
+        atol=1e-4,
+    )
+    lifespan = [t for t in trajs if t.task.task.startswith("lifespan")]
+    plain = store.search(
+        store.vectors([t.card_id for t in lifespan]), k=2, exclude_ids=[{t.card_id} for t in lifespan]
+    )
+    twins = sum(
+        world_of_card(c) == world_of_trajectory(t) for t, hits in zip(lifespan, plain) for c, _ in hits
+    )
+    assert twins >= 3, "the twin is among the nearest other cards: the exclusion is tested"
+    counts: dict[str, int] = {}
+    experience = training_experience(store, trajs, k=2, max_stage=1, counts=counts)
+    for t in trajs:
+        assert len(experience[t.id]) == 2
+        assert all(world_of_card(c) != world_of_trajectory(t) for c in experience[t.id]), t.id
+    assert counts["same_world"] >= twins and counts["injected"] == 18

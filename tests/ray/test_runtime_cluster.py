@@ -1,4 +1,5 @@
-"""``hamo_ray.cluster.start_ray`` joins a running ``ray start`` cluster by default; ``ray.address=local`` does not.
+"""``hamo_ray.cluster.start_ray`` joins a running ``ray start`` cluster with ``ray.address=auto`` only: by default
+(no ``RAY_ADDRESS``) it starts a private Ray, as ``ray.address=local`` always does.
 
 A real head node (``ray start --head --block``) runs with its own Ray temp folder (``RAY_TMPDIR``),
 so the address file it writes is the one ``ray.init()`` would find on a machine where a cluster
@@ -107,14 +108,19 @@ def _driver(env: dict, address: str = "") -> dict:
 
 
 @pytest.mark.timeout(600)
-def test_default_joins_the_running_cluster_and_local_forces_a_private_one(head):
+def test_auto_joins_the_running_cluster_and_the_default_never_does(head):
     env, port = head
-    joined = _driver(env)
+    joined = _driver(env, "auto")
     assert joined["gcs"].endswith(f":{port}") and joined["cpus"] == 3
     assert not joined["quiet"]  # a joined cluster's logging is its owner's
-    private = _driver(env, "local")
-    assert not private["gcs"].endswith(f":{port}") and private["cpus"] == 2
-    assert private["quiet"]  # the private Ray (no dashboard) hides Ray Train's repeated cleaner warning
+    # The `ray start` may be another user's: not joined unasked (RAY_ADDRESS, which `ray job submit` sets,
+    # or ray.address); the default starts a private Ray, as ray.address=local always does.
+    for address in ("", "local"):
+        private = _driver(env, address)
+        assert not private["gcs"].endswith(f":{port}") and private["cpus"] == 2
+        assert private["quiet"]  # the private Ray (no dashboard) hides Ray Train's repeated cleaner warning
+    submitted = _driver(env | {"RAY_ADDRESS": f"127.0.0.1:{port}"})  # what a submitted job's driver sees
+    assert submitted["gcs"].endswith(f":{port}") and submitted["cpus"] == 3
 
 
 def test_a_submitted_job_refuses_a_relative_run_root(tmp_path):

@@ -167,7 +167,7 @@ def job(run_dir):
         env=env,
         cwd=str(ROOT),
     )
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}/{run_dir.name}"  # the route is named after the run id (hamo_ray.naming)
     deadline = time.monotonic() + 420
     try:
         while True:
@@ -275,10 +275,11 @@ def test_stage_committed_while_serving_becomes_usable(client, run_dir):
 
 
 def test_adapters_went_through_the_object_store(client, run_dir, adapter_store):
+    from hamo_ray.naming import store_prefix
     from hamo_ray.serving.objstore import ObjectStore
 
     assert {"stage-1", "stage-2"} <= {m.id for m in client.models.list().data}
-    store = ObjectStore(adapter_store)
+    store = ObjectStore(store_prefix(adapter_store, run_dir.name))  # the run's own prefix in the store
     assert store.exists("stage-1") and store.exists("stage-2")
     assert json.loads(store.read_text("served_adapters.json")) == {"stage-1": "stage-1", "stage-2": "stage-2"}
     cached = {p.name for p in (run_dir.parent / "replica-cache").glob("*/*") if p.is_dir()}

@@ -8,6 +8,10 @@ real tokenizer and ChatML template:
   renders for that step's messages (``return_token_ids``), with the domain's system prompt (which
   replaces SmolLM2's default system message) and without it (the template's default is kept, on
   both sides);
+- the same with injected experience cards, the prompt HaMo trains and serves: every step's prompt of a
+  trajectory carrying three cards, and, under a prompt budget that makes ``fit_cards`` drop the
+  lowest-ranked card, the prompts a rollout sends turn by turn (``fit_cards`` once, ``fit_messages``
+  each turn, as ``hamo_ray.rollout.worker`` does) against the example training builds with that budget;
 - a full-history conversation served turn by turn hits vLLM's prefix cache for most prompt tokens,
   read from the endpoint's ``/metrics``.
 
@@ -23,7 +27,8 @@ import socket
 import pytest
 
 from hamo_ray.config import ModelConfig, PromptConfig, ServeConfig
-from hamo_ray.prompting import encode_chat, step_example
+from hamo_ray.memory import card_from_trajectory, outline_from_trajectory
+from hamo_ray.prompting import ChatRenderer, encode_chat, fit_cards, fit_messages, step_example
 from hamo_ray.training.examples import trajectory_examples
 from hamo_ray.types import TaskSpec, Trajectory
 
@@ -78,12 +83,15 @@ def tokenizer(folder):
 
 
 @pytest.fixture(scope="module")
-def server(ray_session, folder, tmp_path_factory):
+def adapter_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("smollm2") / "adapters"
+
+
+@pytest.fixture(scope="module")
+def server(ray_session, folder, adapter_root):
     from hamo_ray.serving import shutdown_policy_server, start_policy_server
 
-    url = start_policy_server(
-        folder, MODEL, SERVE, tmp_path_factory.mktemp("smollm2") / "adapters", timeout_s=600
-    )
+    url = start_policy_server(folder, MODEL, SERVE, adapter_root, timeout_s=600)
     yield url
     shutdown_policy_server(SERVE)
 
@@ -130,6 +138,71 @@ def test_every_trained_reply_follows_the_served_prompt(server, tokenizer, system
         assert text.endswith("<|im_start|>assistant\n")
 
 
+def _cards():
+    """Three cards as the memory holds them (digest outlines), of other variations and task types; the
+    third is long and carries text a template could mangle (quotes, a tab, a newline, non-ASCII)."""
+    other = [
+        TRAJ.model_copy(update={"task": TRAJ.task.model_copy(update={"variation": 5})}),
+        TRAJ.model_copy(
+            update={
+                "task": TaskSpec(domain="scienceworld", task="lifespan-longest-lived", variation=2),
+                "goal": "Your task is to find the animal with the longest life span. Focus on it.",
+                "actions": ["open door to outside", "go to outside", "focus on egg giant tortoise"],
+                "observations": ["The door is now open.", "You move to the outside.", "You focus on it."],
+            }
+        ),
+        TRAJ.model_copy(
+            update={
+                "task": TaskSpec(domain="scienceworld", task="find-plant", variation=9),
+                "goal": 'Your task is to find a "plant" \u2014 then move it to the\tgreen box.\nQuickly.',
+                "actions": [f"go to room {i} (caf\u00e9)" for i in range(12)] + ["focus on banana tree"],
+                "observations": ["ok"] * 13,
+            }
+        ),
+    ]
+    return [card_from_trajectory(t, 1, outline_from_trajectory(t)) for t in other]
+
+
+def _label_starts(labels: list[int]) -> list[int]:
+    return [i for i in range(1, len(labels)) if labels[i] != -100 and labels[i - 1] == -100]
+
+
+def test_trained_prompts_with_cards_are_the_served_prompts(server, tokenizer):
+    """The card-carrying prompt, token for token: training's examples against the endpoint's rendering."""
+    pcfg = PromptConfig(system_prompt=True)
+    cards = _cards()
+    (example,) = trajectory_examples(TRAJ, cards, tokenizer, pcfg, 2048, KWARGS)
+    starts = _label_starts(example.labels)
+    assert len(starts) == len(TRAJ.actions)
+    for k, start in enumerate(starts):
+        messages, _ = step_example(TRAJ, k, cards, pcfg)
+        served = _served_prompt(server, messages)
+        assert served == example.input_ids[:start], k
+    text = tokenizer.decode(served)
+    assert "Experience from similar tasks:" in text and all(c.outline[:40] in text for c in cards)
+
+    # A prompt budget one token short of the first prompt with all three cards: the rollout keeps two.
+    renderer = ChatRenderer(tokenizer, KWARGS)
+    first = step_example(TRAJ, 0, cards, pcfg)[0]
+    budget = len(renderer.encode(first)) - 1
+    fits = ChatRenderer(tokenizer, KWARGS, budget).fits
+    kept = fit_cards(TRAJ.goal, TRAJ.init_obs, cards, pcfg, domain=TRAJ.task.domain, fits=fits)
+    assert kept == cards[:2]
+    examples = trajectory_examples(TRAJ, cards, tokenizer, pcfg, 2048, KWARGS, budget=budget)
+    trained = [(ex, start) for ex in examples for start in _label_starts(ex.labels)]
+    assert len(trained) == len(TRAJ.actions)
+    start = 0  # the rollout's loop (hamo_ray.rollout.worker): cards fitted once, history each turn
+    for k, (ex, label_start) in enumerate(trained):
+        start, messages = fit_messages(
+            TRAJ.goal, TRAJ.init_obs, kept, TRAJ.actions[:k], TRAJ.observations[:k], pcfg,
+            domain=TRAJ.task.domain, start=start, fits=fits,
+        )  # fmt: skip
+        served = _served_prompt(server, messages)
+        assert served == ex.input_ids[:label_start], k
+        text = tokenizer.decode(served)
+        assert kept[1].outline in text and "banana tree" not in text  # the third card was dropped
+
+
 def test_full_history_hits_the_prefix_cache(server, tokenizer):
     from hamo_ray.serving.client import hit_rate, prefix_cache_counters
 
@@ -173,3 +246,80 @@ def test_llm_distiller_writes_cards_on_smollm2(server):
     out = distil_batch(batch, stage=1, distiller="llm", mcfg=tight)
     assert list(out["outline_source"]) == ["fallback", "fallback"]
     assert out["outline"][0] == outline_from_trajectory(TRAJ)
+
+
+def _random_adapter(base, out, seed: int = 0, std: float = 0.02):
+    """A LoRA adapter on SmolLM2 as the stream trains them (r16, alpha 32, every projection), B random."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hamo_ray.config import TrainConfig
+
+    tcfg = TrainConfig()
+    torch.manual_seed(seed)
+    lora = LoraConfig(r=tcfg.lora_r, lora_alpha=tcfg.lora_alpha, target_modules=list(tcfg.target_modules))
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), lora)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=std)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow  # 130-155 s on 2 cores: a second engine starts (merge, inductor compile)
+def test_merged_weights_answer_as_the_adapter_and_the_base_stays_the_base(server, folder, adapter_root):
+    """serve.eval_weights=merged on the real SmolLM2: the stage adapter, published by its content name and
+    proven live through LoRA, merged into the base weights by the merged app's replica (a Ray task) and
+    served by an engine without LoRA under the adapter's name. Its greedy answers agree with the LoRA
+    ones (same tokens; logprobs within merged.AGREEMENT_TOLERANCE), the engine states which weights it
+    holds (a stale name is refused), and the run's endpoint still answers as the base model after."""
+    import httpx
+
+    from hamo_ray.serving import publish_adapter
+    from hamo_ray.serving.client import _probe
+    from hamo_ray.serving.merged import (
+        AGREEMENT_TOLERANCE,
+        MergedApp,
+        MergedWeightsError,
+        check_serves,
+        merged_app_names,
+        probe_agreement,
+    )
+    from hamo_ray.serving.objstore import folder_digest
+
+    path = _random_adapter(folder, adapter_root / "stage-merged")
+    name = f"stage-1:{folder_digest(path)[:12]}"
+    prompts = [SERVE.probe_prompt, f"{TRAJ.goal} {TRAJ.init_obs} What do you do first?"]
+    with httpx.Client(timeout=600) as client:
+        base_before = [_probe(client, server, MODEL.name, p, 24) for p in prompts]
+    publish_adapter(server, name, path, SERVE.probe_prompt, SERVE.probe_tokens)
+    app, route = merged_app_names(SERVE.app_name, "/smollm2")
+    merged = MergedApp(str(folder), MODEL, SERVE.model_copy(update={"app_name": app, "route_prefix": route}),
+                       str(adapter_root), SERVE.max_lora_rank)  # fmt: skip
+    try:
+        url, direct = merged.ensure(name, str(path))
+        check_serves(url, name)
+        with pytest.raises(MergedWeightsError, match="stale"):
+            check_serves(url, "stage-1:000000000000")
+        for prompt in prompts:
+            agree = probe_agreement(server, name, url, prompt, 24)
+            assert agree["tokens_equal"], agree
+            assert agree["max_logprob_diff"] <= AGREEMENT_TOLERANCE, agree
+        with httpx.Client(timeout=600) as client:
+            lora = _probe(client, server, name, prompts[0], 24)
+            assert (
+                lora["tokens"] != base_before[0]["tokens"] or lora["logprobs"] != base_before[0]["logprobs"]
+            )
+            # The base on the run's endpoint, after the merged app served: unchanged.
+            for prompt, before in zip(prompts, base_before, strict=True):
+                after = _probe(client, server, MODEL.name, prompt, 24)
+                assert after["tokens"] == before["tokens"]
+                assert (
+                    max(abs(a - b) for a, b in zip(after["logprobs"], before["logprobs"], strict=True)) < 1e-3
+                )
+            # The merged app serves no adapter.
+            r = client.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(path)})
+            assert r.status_code == 400
+    finally:
+        merged.stop()

@@ -16,6 +16,7 @@ import math
 import pytest
 
 from hamo_ray.config import ConfigError, load_config
+from hamo_ray.serving.objstore import folder_digest
 from hamo_ray.stream import Stream
 from hamo_ray.types import card_id
 
@@ -81,15 +82,25 @@ def test_run_folder_contents(finished_run):
 
 def test_every_request_carried_the_api_key(finished_run):
     """A 401 would show as an episode error; retrieval through the guarded harness injected cards."""
-    _, run, _ = finished_run
+    _, run, results = finished_run
     used = []
     for stage in (1, 2):
         lines = (run / "episodes" / f"stage-{stage}-scienceworld.jsonl").read_text().splitlines()
         episodes = [json.loads(line) for line in lines]
         assert [e["error"] for e in episodes if e["error"]] == []
-        assert {e["model"] for e in episodes} == {f"stage-{stage}"}
+        committed = next(r.adapter_name for r in results if r.stage == stage)
+        assert {e["model"] for e in episodes} == {committed}  # evaluated with the committed adapter
         used += [e["cards_used"] for e in episodes]
     assert any(used)
+
+
+def test_the_api_key_is_in_no_file_of_the_run_folder(finished_run):
+    """The key given on the command line reaches every request, but no file (config.yaml shows ***)."""
+    _, run, _ = finished_run
+    files = [f for f in run.rglob("*") if f.is_file()]
+    leaked = [str(f.relative_to(run)) for f in files if KEY.encode() in f.read_bytes()]
+    assert leaked == []
+    assert "api_key: '***'" in (run / "config.yaml").read_text()
 
 
 def test_selection_budget_and_replay(finished_run):
@@ -136,17 +147,19 @@ def test_adapters_load_in_peft(finished_run):
     from hamo_ray.training.backbone import backbone_path
 
     for r in results:
-        assert r.adapter == f"adapters/stage-{r.stage}" and r.adapter_name == f"stage-{r.stage}"
+        digest = folder_digest(run / r.adapter)[:12]  # the served name says which weights
+        assert r.adapter == f"adapters/stage-{r.stage}" and r.adapter_name == f"stage-{r.stage}:{digest}"
         base = AutoModelForCausalLM.from_pretrained(backbone_path(cfg))
         model = PeftModel.from_pretrained(base, run / r.adapter)
         assert any("lora_A" in n for n, _ in model.named_parameters())
 
 
 def test_adapters_went_through_the_store(finished_run):
+    from hamo_ray.naming import store_prefix
     from hamo_ray.serving.objstore import ObjectStore
 
     cfg, run, results = finished_run
-    store = ObjectStore(cfg.serve.adapter_store)
+    store = ObjectStore(store_prefix(cfg.serve.adapter_store, run.name))  # the run's own prefix
     names = {r.adapter_name: r.adapter.split("/")[-1] for r in results}
     assert all(store.exists(folder) for folder in names.values())
     assert json.loads(store.read_text("served_adapters.json")) == names

@@ -2,7 +2,9 @@
 that live across stages, and DeepSpeed ZeRO-2 / ZeRO-3 over gloo with a peft round trip of the saved adapter.
 
 The DeepSpeed runs are ``slow``: the first ``deepspeed.initialize`` on a machine compiles a C++ op
-(~200-350 s on 2 cores; cached afterwards under ``~/.cache/hamo_ray/torch_extensions``).
+(~200-350 s on 2 cores; cached afterwards under ``~/.cache/hamo_ray/torch_extensions``). They check
+what can go wrong: the loss falls over three epochs, and the saved adapter, reloaded with peft, scores
+the training data as the last epoch did and well under the backbone.
 
 Run: pytest tests/ray/test_train_deepspeed.py -q            (config + DDP)
      pytest tests/ray/test_train_deepspeed.py -q -m slow    (ZeRO-2 and ZeRO-3 on CPU)
@@ -61,7 +63,29 @@ def _check_adapter(backbone: str, path: str) -> None:
     assert sum(float(p.abs().sum()) for p in lora_b) > 0
 
 
-def _train(backbone, tmp_path, tcfg: TrainConfig, name: str):
+def _action_loss(backbone: str, adapter: str | None, examples: list[Example]) -> float:
+    """Mean cross-entropy of the labelled (action) tokens of ``examples`` under the backbone, with the
+    saved ``adapter`` loaded by peft (None: the backbone alone): the loss training minimises."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(backbone, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ex in examples:
+            logits = model(torch.tensor([ex.input_ids])).logits[0, :-1]
+            targets = torch.tensor(ex.labels[1:])
+            keep = targets != -100
+            total += float(torch.nn.functional.cross_entropy(logits[keep], targets[keep], reduction="sum"))
+            count += int(keep.sum())
+    return total / count
+
+
+def _train(backbone, tmp_path, tcfg: TrainConfig, name: str, epochs: int = 1):
     from hamo_ray.training.trainer import train_model
 
     return train_model(
@@ -70,7 +94,7 @@ def _train(backbone, tmp_path, tcfg: TrainConfig, name: str):
         tmp_path / name,
         tcfg,
         pad_id=0,
-        epochs=1,
+        epochs=epochs,
         lr=5e-3,
         batch_size=4,
         name=name,
@@ -169,6 +193,15 @@ def test_deepspeed_zero_on_cpu_saves_a_loadable_adapter(ray_session, backbone, t
         num_workers=2,
         cpus_per_worker=1.0,
     )
-    result = _train(backbone, tmp_path, tcfg, f"zero{stage}")
-    assert result.tokens > 0 and result.losses[0] == result.losses[0]  # not NaN
+    result = _train(backbone, tmp_path, tcfg, f"zero{stage}", epochs=3)
+    assert result.tokens > 0 and len(result.losses) == 3 and all(map(math.isfinite, result.losses))
+    # It learns: the last epoch's mean loss is clearly under the first's (DDP on this data, measured on
+    # 2 cores: 5.89 -> 5.58 over three epochs).
+    assert result.losses[-1] < result.losses[0] - 0.1, result.losses
     _check_adapter(backbone, result.path)
+    # The saved adapter is the trained one (ZeRO-3 gathers its partitions before saving): reloaded with
+    # peft, it fits the training data about as the last epoch did, and clearly better than the backbone
+    # (DDP: 5.59 against the backbone's 5.84). An adapter saved empty or half-gathered fails here.
+    base, tuned = _action_loss(backbone, None, _examples()), _action_loss(backbone, result.path, _examples())
+    assert tuned < result.losses[-1] + 0.1, (tuned, result.losses)
+    assert tuned < base - 0.1, (tuned, base)

@@ -12,6 +12,12 @@ from hamo_ray.config import load_config
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def _api_key(monkeypatch):
+    """The paper presets bind 0.0.0.0 and take their key from the environment (refused without one)."""
+    monkeypatch.setenv("HAMO_API_KEY", "preset-test-key")
+
+
 def test_cluster_yaml_matches_ray_schema():
     """``ray up`` prepares the local-provider config (min_workers moves to the node type), then validates it."""
     import json

@@ -29,6 +29,12 @@ PRESETS = sorted((ROOT / "jobs" / "configs").glob("*.yaml"))
 GAME = "pick_and_place_simple-Cd-None-Box-1/trial_T1"
 
 
+@pytest.fixture(autouse=True)
+def _api_key(monkeypatch):
+    """The paper presets bind 0.0.0.0 and take their key from the environment (refused without one)."""
+    monkeypatch.setenv("HAMO_API_KEY", "preset-test-key")
+
+
 def _cli():
     spec = importlib.util.spec_from_file_location("stream_job", ROOT / "jobs" / "stream.py")
     module = importlib.util.module_from_spec(spec)
@@ -115,6 +121,24 @@ def test_every_preset_passes_the_dry_run(preset: Path, sources, qwen3_folder, ca
     assert "<|im_start|>user" in out.out and "=== resource plan" in out.out
     for line in ("ScienceWorld simulator", "scienceworld experts"):
         assert line in out.out
+
+
+def test_a_paper_preset_dry_run_needs_a_key(sources, qwen3_folder, monkeypatch, capsys) -> None:
+    """paper-* binds 0.0.0.0: without a key the dry run refuses naming both ways to give one; with
+    HAMO_API_KEY it passes, says the endpoint is guarded, and never prints the key."""
+    preset = ROOT / "jobs" / "configs" / "paper-qwen3-8b-within.yaml"
+    over = _overrides(preset, sources, qwen3_folder)
+    monkeypatch.delenv("HAMO_API_KEY")
+    rc = _cli()(["--config", str(preset), "--dry-run", *over])
+    out = capsys.readouterr()
+    assert rc == 2 and "serve.api_key" in out.err and "HAMO_API_KEY" in out.err, out.err
+    assert "dry run:" not in out.out  # refused before any work
+    monkeypatch.setenv("HAMO_API_KEY", "dry-run-key-4711")
+    rc = _cli()(["--config", str(preset), "--dry-run", *over])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "endpoint: 0.0.0.0:8000 (other machines too), every route behind the API key" in out.out
+    assert "dry-run-key-4711" not in out.out + out.err
 
 
 def test_dry_run_report_counts_tokens_against_the_limits(sources, qwen3_folder) -> None:

@@ -32,6 +32,13 @@ ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted((ROOT / "jobs" / "configs").glob("*.yaml"))
 TINY_CROSS = ROOT / "jobs" / "configs" / "tiny-cross.yaml"
 
+
+@pytest.fixture(autouse=True)
+def _api_key(monkeypatch):
+    """The paper presets bind 0.0.0.0 and take their key from the environment (refused without one)."""
+    monkeypatch.setenv("HAMO_API_KEY", "preset-test-key")
+
+
 # The env section of tiny-cross.yaml as the old layout saved it (a run folder's config.yaml before the
 # per-domain sections): every field flat, the domains' settings among the common ones.
 OLD_ENV = {

@@ -22,7 +22,7 @@ from hamo_ray.memory import (
     key_text,
     outline_from_trajectory,
 )
-from hamo_ray.types import Card, TaskSpec, Trajectory, card_id
+from hamo_ray.types import Card, TaskSpec, Trajectory, card_id, card_text
 
 DIM = 4
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,10 +153,48 @@ def _rows(n: int, stage: int = 0, start: int = 0) -> list[dict]:
     return rows
 
 
-def test_schema_is_card_fields_released_and_vector():
+def test_schema_is_card_fields_released_and_vectors():
     schema = card_schema(DIM)
-    assert schema.names == [*Card.model_fields, "released", "vector"]
+    assert schema.names == [*Card.model_fields, "released", "vector", "card_vector"]
     assert schema.field("vector").type.list_size == DIM
+    assert schema.field("card_vector").type.list_size == DIM and schema.field("card_vector").nullable
+
+
+def test_card_vectors_are_stored_beside_the_key_vectors(tmp_path):
+    store = MemoryStore(str(tmp_path / "mem"), dim=DIM)
+    rows = _rows(3)
+    cards = [_unit([0.0, 0.0, 1.0, float(i)]) for i in range(3)]
+    assert store.add([{**r, "card_vector": v} for r, v in zip(rows, cards, strict=True)]) == 3
+    ids = [rows[2]["id"], rows[0]["id"]]
+    np.testing.assert_allclose(store.vectors(ids, "card_vector"), [cards[2], cards[0]], atol=1e-6)
+    np.testing.assert_allclose(store.vectors(ids), [rows[2]["vector"], rows[0]["vector"]], atol=1e-6)
+    # search matches the key vectors only
+    assert store.search(rows[1]["vector"], k=1)[0][0][0].id == rows[1]["id"]
+    # rows without a card vector (written by hand) are stored; selection on the card refuses them
+    assert store.add(_rows(1, start=10)) == 1
+    with pytest.raises(ValueError, match="without a 'card_vector'.*selection.embed=key"):
+        store.vectors([rows[0]["id"], _rows(1, start=10)[0]["id"]], "card_vector")
+    with pytest.raises(ValueError, match="width"):
+        store.add([{**_rows(1, start=20)[0], "card_vector": np.ones(DIM + 1, dtype=np.float32)}])
+    with pytest.raises(ValueError, match="unknown vector column"):
+        store.vectors(ids, "other")
+
+
+def test_table_written_before_the_card_vector_column(tmp_path):
+    """An old run's memory: new cards are added without the column, and selection by card text refuses
+    clearly (selection.embed=key selects as the run did)."""
+    import lancedb
+    import pyarrow as pa
+
+    old = pa.schema([f for f in card_schema(DIM) if f.name != "card_vector"])
+    lancedb.connect(str(tmp_path / "mem")).create_table("cards", schema=old)
+    store = MemoryStore(str(tmp_path / "mem"))
+    rows = [{**r, "card_vector": r["vector"]} for r in _rows(3)]
+    assert store.add(rows) == 3 and not store.has_card_vectors()
+    assert store.vectors([rows[1]["id"]]).shape == (1, DIM)
+    with pytest.raises(ValueError, match="created before cards had a 'card_vector'.*selection.embed=key"):
+        store.vectors([rows[1]["id"]], "card_vector")
+    assert MemoryStore(str(tmp_path / "new"), dim=DIM).has_card_vectors()
 
 
 def test_add_count_and_idempotent_readd(tmp_path):
@@ -327,8 +365,32 @@ def test_embedder_unit_vectors_and_similarity(embedder):
     assert embedder.embed([]).shape == (0, 384)
     batch = {"goal": np.array(texts[:2], dtype=object), "init_obs": np.array(["a", "b"], dtype=object)}
     out = embedder(batch)
-    assert out["vector"].shape == (2, 384)
+    assert out["vector"].shape == (2, 384) and "card_vector" not in out
     np.testing.assert_allclose(out["vector"][0], embedder.embed([key_text(texts[0], "a")])[0], atol=1e-5)
+    out = embedder({**batch, "outline": np.array(["1. boil", "2. heat"], dtype=object)})
+    np.testing.assert_allclose(out["vector"][1], embedder.embed([key_text(texts[1], "b")])[0], atol=1e-5)
+    want = embedder.embed([card_text(texts[1], "b", "2. heat")])[0]
+    np.testing.assert_allclose(out["card_vector"][1], want, atol=1e-5)
+
+
+def test_the_card_vector_sees_the_outline_past_a_long_start_room(embedder):
+    """Selection compares whole cards: two cards of one goal and one start room are near by key (the
+    same text) and apart by card text when their outlines differ, even when the room alone fills the
+    embedding model's 256 word pieces (the outline comes before the room)."""
+    goal = "Your task is to find the animal with the longest life span. First, focus on it."
+    room = "This room is called the outside. In it, you see: " + ", ".join(
+        f"a {x} {i}" for i, x in enumerate(["tree", "fence", "axe", "egg", "fire pit", "ant"] * 20)
+    )
+    outlines = ["1. navigate to outside; 2. focus on egg giant tortoise", "1. open the oven; 2. boil water"]
+    keys = embedder.embed([key_text(goal, room)] * 2)
+    cards = embedder.embed([card_text(goal, room, z) for z in outlines])
+    assert keys[0] @ keys[1] == pytest.approx(1.0, abs=1e-5)
+    assert cards[0] @ cards[1] < 0.99  # measured 0.963 (0.847 with a short room)
+    after = embedder.embed([f"{key_text(goal, room)}\n{z}" for z in outlines])  # the outline last: cut off
+    assert after[0] @ after[1] == pytest.approx(1.0, abs=1e-4)
+    assert card_text(goal, room, outlines[0]).index(outlines[0]) < card_text(goal, room, outlines[0]).index(
+        room
+    )
 
 
 def test_import_is_light():
@@ -383,3 +445,167 @@ def test_threads_creating_one_table_together_all_get_it(tmp_path):
             stores = list(pool.map(make, range(6)))
         stores[0].add(_rows(1))
         assert all(s.count() == 1 for s in stores)
+
+
+# -- training-time retrieval: no card of the example's own world; gating ---------------------------------
+def _world_traj(
+    domain: str, task: str, variation: int, init_obs: str = "This room is called the hallway."
+) -> Trajectory:
+    return Trajectory(
+        task=TaskSpec(domain=domain, task=task, variation=variation),
+        goal=f"Your task is to {task} ({variation}).",
+        init_obs=init_obs,
+        actions=["look around"],
+        observations=["ok"],
+        score=100.0,
+        done=True,
+        source="expert",
+    )
+
+
+def _store_of(tmp_path, trajs_and_angles, stage: int = 1) -> MemoryStore:
+    """A memory holding one card per trajectory, its key vector at the given angle."""
+    store = MemoryStore(str(tmp_path / "mem"), dim=DIM)
+    rows = []
+    for traj, angle in trajs_and_angles:
+        card = card_from_trajectory(traj, stage, "1. look around")
+        rows.append({**card.model_dump(), "vector": _unit([np.cos(angle), np.sin(angle), 0.0, 0.0])})
+    store.add(rows)
+    return store
+
+
+def test_worlds_per_domain():
+    from hamo_ray.memory.worlds import world_of_card, world_of_task, world_of_trajectory
+
+    sw = [_world_traj("scienceworld", t, 3) for t in ("lifespan-longest-lived", "lifespan-shortest-lived")]
+    assert world_of_trajectory(sw[0]) == world_of_trajectory(sw[1])  # one variation's animals
+    assert world_of_trajectory(sw[0]) == world_of_card(card_from_trajectory(sw[1], 1, "x"))
+    other = [
+        _world_traj("scienceworld", "lifespan-longest-lived", 4),  # another variation
+        _world_traj("scienceworld", "find-living-thing", 3),  # another topic, the same number
+        sw[0].model_copy(update={"task": sw[0].task.model_copy(update={"split": "test"})}),
+    ]
+    assert all(world_of_trajectory(t) != world_of_trajectory(sw[0]) for t in other)
+    assert world_of_task(TaskSpec(domain="scienceworld", task="find-plant", variation=8)) == world_of_task(
+        TaskSpec(domain="scienceworld", task="find-animal", variation=8)
+    )
+    room = "You are in the middle of a room. Looking quickly around you, you see a cabinet 1, a sinkbasin 1."
+    a = _world_traj("alfworld", "pick_and_place_simple", 0, room)
+    b = _world_traj("alfworld", "pick_clean_then_place_in_recep", 7, room)  # the same room, another game
+    c = _world_traj("alfworld", "pick_and_place_simple", 1, room.replace("cabinet 1", "drawer 1"))
+    assert world_of_trajectory(a) == world_of_trajectory(b) != world_of_trajectory(c)
+    w = [_world_traj("webshop", "fashion", v) for v in (0, 0, 1)]
+    assert world_of_trajectory(w[0]) == world_of_trajectory(w[1]) != world_of_trajectory(w[2])
+
+
+def test_training_experience_never_retrieves_a_card_of_the_examples_world(tmp_path):
+    from hamo_ray.memory.pipeline import training_experience
+
+    query = _world_traj("scienceworld", "lifespan-longest-lived", 3)
+    twins = [
+        _world_traj("scienceworld", "lifespan-shortest-lived", 3),
+        _world_traj("scienceworld", "lifespan-longest-lived-then-shortest-lived", 3),
+    ]
+    others = [
+        _world_traj("scienceworld", "find-living-thing", 3),
+        _world_traj("scienceworld", "lifespan-shortest-lived", 4),
+        _world_traj("scienceworld", "lifespan-longest-lived", 5),
+    ]
+    # the twins are the query's nearest cards (they share its goal's words and its room)
+    store = _store_of(
+        tmp_path,
+        [(query, 0.0), (twins[0], 0.01), (twins[1], 0.02)]
+        + [(t, 0.1 * (i + 1)) for i, t in enumerate(others)],
+    )
+    counts: dict[str, int] = {}
+    got = training_experience(store, [query, others[0]], k=2, counts=counts)
+    assert [c.trajectory_id for c in got[query.id]] == [others[0].id, others[1].id]
+    # find-living-thing of variation 3 shares the start room, not the world: the lifespan cards serve it
+    assert [c.trajectory_id for c in got[others[0].id]] == [twins[1].id, twins[0].id]
+    assert query.card_id not in {c.id for c in got[query.id]}
+    assert counts == {"injected": 4, "withheld": 0, "same_world": 2}
+    assert training_experience(store, [query], k=5, max_stage=0) == {query.id: []}
+
+
+def test_training_experience_asks_again_when_the_world_fills_the_first_answer(tmp_path):
+    """ALFWorld: 15 games of one room nearer than any other card (more than the k + 8 first asked)."""
+    from hamo_ray.memory.pipeline import training_experience
+
+    room = "You are in the middle of a room. Looking quickly around you, you see a cabinet 1."
+    same = [_world_traj("alfworld", "pick_and_place_simple", v, room) for v in range(16)]
+    elsewhere = [_world_traj("alfworld", "pick_and_place_simple", 100 + v, f"{room} {v}") for v in range(3)]
+    store = _store_of(
+        tmp_path,
+        [(t, 0.001 * i) for i, t in enumerate(same)] + [(t, 0.5 + 0.1 * i) for i, t in enumerate(elsewhere)],
+    )
+    counts: dict[str, int] = {}
+    got = training_experience(store, same[:1], k=2, counts=counts)
+    assert [c.trajectory_id for c in got[same[0].id]] == [elsewhere[0].id, elsewhere[1].id]
+    assert counts["same_world"] == 15
+
+
+def test_gate_withholds_cards_below_the_threshold_or_of_another_domain(tmp_path):
+    from hamo_ray.config import MemoryConfig
+    from hamo_ray.memory.pipeline import gate, training_experience
+
+    sw = _world_traj("scienceworld", "boil", 1)
+    hits = [
+        (card_from_trajectory(sw, 1, "x"), 0.9),
+        (card_from_trajectory(_world_traj("webshop", "fashion", 2), 1, "y"), 0.8),
+        (card_from_trajectory(_world_traj("scienceworld", "melt", 9), 1, "z"), 0.3),
+    ]
+    assert gate(hits, MemoryConfig()) == (hits, [])  # off by default
+    assert gate(hits, MemoryConfig(gate_min_similarity=0.5)) == (hits[:2], hits[2:])
+    assert gate(hits, MemoryConfig(gate_same_domain=True), "scienceworld") == ([hits[0], hits[2]], [hits[1]])
+    both = MemoryConfig(gate_min_similarity=0.5, gate_same_domain=True)
+    assert gate(hits, both, "scienceworld") == ([hits[0]], hits[1:])
+    with pytest.raises(ValueError, match="domain"):
+        gate(hits, MemoryConfig(gate_same_domain=True))
+    # training gates alike: the first card is near (cos 0.995), the second far (cos 0.825)
+    query, near, far = (
+        _world_traj("scienceworld", t, v) for t, v in (("boil", 1), ("melt", 2), ("freeze", 5))
+    )
+    store = _store_of(tmp_path, [(query, 0.0), (near, 0.1), (far, 0.6)])
+    counts: dict[str, int] = {}
+    got = training_experience(store, [query], 2, mcfg=MemoryConfig(gate_min_similarity=0.9), counts=counts)
+    assert [c.trajectory_id for c in got[query.id]] == [near.id]
+    assert counts == {"injected": 1, "withheld": 1, "same_world": 0}
+
+
+def test_the_harness_gates_as_training_does(tmp_path, embedder):
+    """The harness's retrieval (inference) withholds what ``gate`` withholds and says how many."""
+    from hamo_ray.config import MemoryConfig
+    from hamo_ray.serving.harness import HarnessServer
+    from hamo_ray.types import card_text
+
+    trajs = [_world_traj("scienceworld", "boil", 1), _world_traj("webshop", "fashion", 2)]
+    cards = [card_from_trajectory(t, 1, "1. look around") for t in trajs]
+    keys = embedder.embed([key_text(c.goal, c.init_obs) for c in cards])
+    texts = embedder.embed([card_text(c.goal, c.init_obs, c.outline) for c in cards])
+    uri = str(tmp_path / "mem")
+    MemoryStore(uri, dim=embedder.dim).add(
+        [
+            {**c.model_dump(), "vector": k, "card_vector": v}
+            for c, k, v in zip(cards, keys, texts, strict=True)
+        ]
+    )
+
+    def harness(uri: str, mcfg: MemoryConfig):  # the replica's state, without Serve's async constructor
+        import threading
+
+        server = HarnessServer.func_or_class.__new__(HarnessServer.func_or_class)
+        server.max_stage, server.embedder, server.memory_uri, server.memory = None, embedder, uri, mcfg
+        server._store, server._store_lock = None, threading.Lock()
+        return server
+
+    goal, obs = trajs[0].goal, trajs[0].init_obs
+    ungated = harness(uri, MemoryConfig()).retrieve_cards(goal, obs, 2)
+    assert [c["domain"] for c in ungated["cards"]] == ["scienceworld", "webshop"] and ungated["withheld"] == 0
+    same = harness(uri, MemoryConfig(gate_same_domain=True))
+    got = same.retrieve_cards(goal, obs, 2, domain="scienceworld")
+    assert [c["domain"] for c in got["cards"]] == ["scienceworld"] and got["withheld"] == 1
+    with pytest.raises(ValueError, match="domain"):
+        same.retrieve_cards(goal, obs, 2)
+    low = ungated["scores"][1]
+    got = harness(uri, MemoryConfig(gate_min_similarity=low + 1e-3)).retrieve_cards(goal, obs, 2)
+    assert len(got["cards"]) == 1 and got["withheld"] == 1 and got["scores"] == ungated["scores"][:1]

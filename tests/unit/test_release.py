@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hamo_ray.config import load_config
+from hamo_ray.evaluation.faults import StageFailed
 from hamo_ray.memory import release_internalised
 from hamo_ray.run_folder import RunFolder
 from hamo_ray.stage import StageContext, release
@@ -150,10 +151,12 @@ class FakeFolder:
         return self.trajectories.get(stage)
 
 
-def _context(tmp_path, scores, trajectories):
+def _context(tmp_path, scores, trajectories, *overrides):
     runs = []  # no validation, no Ray: only what release uses
     ctx = StageContext(
-        cfg=load_config("jobs/configs/tiny.yaml", [f"run.root={tmp_path}", "method.name=hamo_release"]),
+        cfg=load_config(
+            "jobs/configs/tiny.yaml", [f"run.root={tmp_path}", "method.name=hamo_release", *overrides]
+        ),
         folder=FakeFolder(trajectories),
         pools=lambda domain: FakePool(domain, scores, runs),
         endpoint=FakeEndpoint(),
@@ -166,7 +169,13 @@ def test_release_replays_without_cards_and_follows_up_the_previous_stage(tmp_pat
     anchors = _anchors(3)
     prev = _result(1, released=[earlier[0].card_id, earlier[1].card_id])  # earlier[2] was not released
     scores = {anchors[1].task.id: 40.0, anchors[2].task.id: None, earlier[1].task.id: 30.0}
+    # By default a replay lost to a fault fails the stage (it would release fewer cards than a clean run)
     ctx, runs = _context(tmp_path, scores, {1: earlier})
+    with pytest.raises(StageFailed, match="release replay.*1 of 5 episodes lost"):
+        release(ctx, 2, "scienceworld", anchors, FakeStore(), "stage-2", [_result(0), prev])
+    assert [len(tids) for _, tids, _ in runs] == [5, 1, 1]  # the lost one was played twice more
+    # within eval.max_failed_fraction, it is counted (replay_failed) and releases nothing
+    ctx, runs = _context(tmp_path, scores, {1: earlier}, "eval.max_failed_fraction=0.25", "eval.retries=0")
     store = FakeStore()
     ids, figures = release(ctx, 2, "scienceworld", anchors, store, "stage-2", [_result(0), prev])
 

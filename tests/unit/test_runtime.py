@@ -26,12 +26,13 @@ def test_cluster_rule(no_cluster, monkeypatch, tmp_path):
     assert cluster_address(RayConfig()) is None  # nothing running: a private Ray
     assert cluster_address(RayConfig(address="local")) is None
     assert cluster_address(RayConfig(address="10.0.0.1:6379")) == "10.0.0.1:6379"
-    # A `ray start` on this machine leaves its address where ray.init() looks: joined by default.
+    # A `ray start` on this machine (maybe another user's) is joined only when asked: ray.address=auto.
     (tmp_path / "current").write_text("127.0.0.1:6380\n")
     monkeypatch.setattr(
         "ray._private.utils.get_ray_address_file", lambda temp_dir=None: str(tmp_path / "current")
     )
-    assert cluster_address(RayConfig()) == "127.0.0.1:6380"
+    assert cluster_address(RayConfig()) is None
+    assert cluster_address(RayConfig(address="auto")) == "auto"
     assert cluster_address(RayConfig(address="local")) is None  # forced private
     monkeypatch.setenv("RAY_ADDRESS", "http://head:8265")  # what `ray job submit` sets wins
     assert cluster_address(RayConfig()) == "http://head:8265"
@@ -82,6 +83,9 @@ def test_names_owned_and_shared(tmp_path):
     assert Services(cfg, folder).adapter_name(3, "-bc") == "stage-3-bc"
     shared = Services(cfg, folder, shared_url="http://h:1", run_id="cell-a")
     assert shared.adapter_name(3) == "cell-a-stage-3"
+    digest = "0123456789abcdef" * 4
+    assert Services(cfg, folder).adapter_name(3, "-bc", digest) == "stage-3-bc:0123456789ab"
+    assert shared.adapter_name(3, "", digest) == "cell-a-stage-3:0123456789ab"
 
 
 def _adapter(path):
@@ -95,14 +99,14 @@ def test_adapters_go_through_a_store_folder(tmp_path):
     store = tmp_path / "shared-adapters"
     cfg, folder = _folder(tmp_path, f"serve.adapter_store={store}")
     services = Services(cfg, folder)
-    assert services.adapter_root == str(store.resolve())
+    assert services.adapter_root == str(store.resolve() / "r")  # the run's own prefix: <store>/<run id>
     local = _adapter(folder.path / "adapters" / "stage-1")
     assert services._served_path(local) == "stage-1"
-    assert (store / "stage-1" / "adapter_model.safetensors").read_bytes() == b"weights-1"
+    assert (store / "r" / "stage-1" / "adapter_model.safetensors").read_bytes() == b"weights-1"
     # A redone stage (same name, new weights) replaces the stored copy.
     (local / "adapter_model.safetensors").write_bytes(b"weights-2")
     services._served_path(local)
-    assert (store / "stage-1" / "adapter_model.safetensors").read_bytes() == b"weights-2"
+    assert (store / "r" / "stage-1" / "adapter_model.safetensors").read_bytes() == b"weights-2"
 
 
 def test_no_store_or_the_runs_own_folder_publishes_in_place(tmp_path):

@@ -19,7 +19,34 @@ def test_stage_seeds_are_distinct_for_every_seed_stage_and_purpose():
         stage_seed(0, 1, "sampling")
 
 
-def testturn_seeds_differ_across_stages_and_episodes():
+# Pinned: a resumed run redraws a redone stage's seeds from these functions, and paired comparisons
+# across methods and runs rely on them. A change to either function (its hash, its string, its mask)
+# changes every run's sampling and must fail here, not pass because the function agrees with itself.
+STAGE_SEEDS = {
+    (0, 1, "evaluate"): 198597451,
+    (0, 1, "train"): 437257941,
+    (0, 2, "train"): 737680456,
+    (1, 1, "train"): 225120918,
+    (3, 2, "explore"): 1608898764,
+    (7, 3, "dpo"): 2068190188,
+    (42, 5, "release"): 635496756,
+}
+
+
+@pytest.mark.parametrize(("args", "seed"), list(STAGE_SEEDS.items()), ids=lambda v: str(v))
+def test_stage_seed_values_are_pinned(args, seed):
+    assert stage_seed(*args) == seed
+
+
+def test_turn_seed_values_are_pinned():
+    task = TaskSpec(domain="scienceworld", task="boil", variation=3, split="test")
+    assert task.id == "scienceworld/boil/test/3"  # the string the turn seed hashes
+    assert turn_seed(198597451, task, 0) == 232452712
+    assert turn_seed(198597451, task, 5) == 2108688103
+    assert turn_seed(12345, task, 0) == 222467109
+
+
+def test_turn_seeds_differ_across_stages_and_episodes():
     task, other = TaskSpec(domain="d", task="x", variation=0), TaskSpec(domain="d", task="x", variation=1)
     s1, s2 = stage_seed(0, 1, "evaluate"), stage_seed(0, 2, "evaluate")
     draws = {turn_seed(s, t, turn) for s in (s1, s2) for t in (task, other) for turn in range(3)}

@@ -133,7 +133,7 @@ def test_budget_floor_as_a_share_of_the_stage(fraction, expected):
     x = np.concatenate([c + 0.01 * rng.normal(size=(10, 16)) for c in centres])  # 4 tight clusters
     task = [SimpleNamespace(domain="d", task=f"type{i // 10}") for i in range(len(x))]  # the clusters
     trajs = [SimpleNamespace(card_id=f"c{i}", task=task[i]) for i in range(len(x))]
-    store = SimpleNamespace(vectors=lambda ids: x[[int(i[1:]) for i in ids]])
+    store = SimpleNamespace(vectors=lambda ids, column="vector": x[[int(i[1:]) for i in ids]])
     cfg = HamoConfig.model_validate({"selection": {"min_fraction": fraction}})
     anchors, budget = select(cfg, trajs, store)
     knee = coverage_select(x).budget
@@ -257,3 +257,102 @@ def test_fill_without_types_goes_by_hits_then_seeded_ties_never_by_index():
     flat = [0] * 24
     orders = {tuple(fill_floor([], flat, 12, None, seed=s)) for s in range(5)}
     assert len(orders) == 5 and tuple(range(12)) not in orders
+
+
+# -- what selection compares: the whole card (selection.embed) ------------------------------------------
+def _stage_cards(tmp_path):
+    """Six cards of one goal and one start room (identical keys) and two strategies (outlines), stored
+    with both embeddings as the card pipeline stores them."""
+    from hamo_ray.memory import Embedder, MemoryStore, card_from_trajectory
+    from hamo_ray.types import TaskSpec, Trajectory, card_text, key_text
+
+    strategies = [
+        ["open door to kitchen", "go to kitchen", "pick up thermometer", "focus on thermometer"],
+        ["open door to outside", "go to outside", "focus on egg giant tortoise", "wait1"],
+    ]
+    trajs = [
+        Trajectory(
+            task=TaskSpec(domain="scienceworld", task="lifespan-longest-lived", variation=v),
+            goal="Your task is to find the animal with the longest life span.",
+            init_obs="This room is called the hallway. In it, you see: a picture.",
+            actions=strategies[v % 2] + ["look around"] * (v // 2),
+            observations=["ok"] * (len(strategies[v % 2]) + v // 2),
+            score=100.0,
+            done=True,
+            source="expert",
+        )
+        for v in range(6)
+    ]
+    embedder = Embedder()
+    cards = [card_from_trajectory(t, 1, " ".join(t.actions)) for t in trajs]
+    keys = embedder.embed([key_text(c.goal, c.init_obs) for c in cards])
+    texts = embedder.embed([card_text(c.goal, c.init_obs, c.outline) for c in cards])
+    store = MemoryStore(str(tmp_path / "mem"), dim=embedder.dim)
+    store.add(
+        [
+            {**c.model_dump(), "vector": k, "card_vector": v}
+            for c, k, v in zip(cards, keys, texts, strict=True)
+        ]
+    )
+    return trajs, store
+
+
+def test_select_compares_whole_cards_by_default_and_keys_on_request(tmp_path):
+    from hamo_ray.config import load_config
+    from hamo_ray.stage import select
+
+    trajs, store = _stage_cards(tmp_path)
+    cfg = load_config(None, ["method.name=hamo", "selection.k=2"])
+    assert cfg.selection.embed == "card"
+    anchors, budget = select(cfg, trajs, store, stage=1)
+    # the card vectors tell the two strategies apart: the first two anchors are one of each
+    assert {t.task.variation % 2 for t in anchors[:2]} == {0, 1} and budget <= len(trajs)
+    # by key the six cards are one point: the knee keeps one anchor, of one strategy (measured: 1 of 6)
+    by_key, _ = select(
+        load_config(None, ["method.name=hamo", "selection.k=2", "selection.embed=key"]), trajs, store
+    )
+    assert len({t.task.variation % 2 for t in by_key}) == 1
+    asked = []
+
+    class Spy:
+        def vectors(self, ids, column="vector"):
+            asked.append(column)
+            return store.vectors(ids, column)
+
+    select(cfg, trajs, Spy(), stage=1)
+    select(load_config(None, ["method.name=hamo", "selection.embed=key"]), trajs, Spy(), stage=1)
+    assert asked == ["card_vector", "vector"]
+
+
+def test_a_saved_config_without_selection_embed_reads_as_the_old_behaviour():
+    """Runs and exports made before selection.embed existed compared keys: they read as ``key``."""
+    from hamo_ray.config import HamoConfig, upgrade_saved_config
+
+    saved = HamoConfig().model_dump(mode="json")
+    del saved["selection"]["embed"]
+    up = upgrade_saved_config(saved)
+    assert up["selection"]["embed"] == "key" and "embed" not in saved["selection"]  # not modified
+    assert HamoConfig.model_validate(up).selection.embed == "key"
+    assert upgrade_saved_config(up) == up  # idempotent
+    assert upgrade_saved_config(HamoConfig().model_dump(mode="json"))["selection"]["embed"] == "card"
+    assert upgrade_saved_config({"train": {"epochs": 1}}) == {"train": {"epochs": 1}}
+
+
+def test_resuming_a_run_started_before_selection_embed(tmp_path):
+    """An old run folder resumes with selection.embed=key (what it did) and is refused with the new
+    default, naming the key."""
+    import yaml
+
+    from hamo_ray.config import ConfigError, load_config
+    from hamo_ray.run_folder import RunFolder
+
+    cfg = load_config(None, [f"run.root={tmp_path}", "run.id=old", "run.resume=true", "selection.embed=key"])
+    folder = RunFolder(tmp_path / "old", cfg)
+    folder.prepare()
+    saved = yaml.safe_load((folder.path / "config.yaml").read_text())
+    del saved["selection"]["embed"]
+    (folder.path / "config.yaml").write_text(yaml.safe_dump(saved))
+    folder._check_same_config()  # what the run did: passes
+    new = load_config(None, [f"run.root={tmp_path}", "run.id=old", "run.resume=true"])
+    with pytest.raises(ConfigError, match="selection.embed"):
+        RunFolder(tmp_path / "old", new)._check_same_config()

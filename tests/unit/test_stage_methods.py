@@ -109,7 +109,7 @@ class FakeStore:
     def count(self, include_released: bool = True) -> int:
         return len(self.cards)
 
-    def vectors(self, ids):
+    def vectors(self, ids, column="vector"):
         return np.stack([self.vecs[i] for i in ids])
 
     def search(self, queries, k, exclude_ids=None, max_stage=None):
@@ -146,7 +146,8 @@ class Folder(RunFolder):
 class FakeServices:
     published: list[tuple[str, str]] = field(default_factory=list)
 
-    def adapter_name(self, stage: int, tag: str = "") -> str:
+    def adapter_name(self, stage: int, tag: str = "", digest: str = "") -> str:
+        assert len(digest) == 64  # publish names the adapter's content (its folder's sha256)
         return f"stage-{stage}{tag}"
 
     def publish(self, name: str, adapter) -> dict:

@@ -151,6 +151,7 @@ def test_episodes_csv_has_one_row_per_episode(tmp_path):
     assert list(rows[0]) == [
         "stage",
         "domain",
+        "split",
         "task",
         "variation",
         "score",
@@ -166,6 +167,7 @@ def test_episodes_csv_has_one_row_per_episode(tmp_path):
     assert ok == {
         "stage": "1",
         "domain": "scienceworld",
+        "split": "test",
         "task": "find-living-thing",
         "variation": "3",
         "score": "100.0",
@@ -181,12 +183,83 @@ def test_episodes_csv_has_one_row_per_episode(tmp_path):
     assert failed["cards_used"] == "0" and failed["score"] == "0.0"
 
 
+def test_episodes_csv_labels_domain_and_split_as_the_report(tmp_path):
+    """ALFWorld's seen-room episodes (``protocol.eval_seen``: the dev games) count towards the report's
+    ``alfworld@seen`` column, not ``alfworld``; the split column tells them apart too."""
+    from hamo_ray.evaluation.metrics import SEEN
+    from hamo_ray.sweep_export import write_episodes_csv
+
+    sweep, cells, _ = _sweep(tmp_path)
+    name, cfg = cells[0]
+    run = _finish(name, cfg)
+    folder = RunFolder(run, cfg)
+    for split, column in (("test", "alfworld"), ("dev", f"alfworld{SEEN}")):
+        ep = _episode("pick_and_place_simple", 2, 100.0, 3)
+        ep = ep.model_copy(
+            update={"task": TaskSpec(domain="alfworld", task=ep.task.task, variation=2, split=split)}
+        )
+        folder.save_episodes(1, column, [ep])
+    dest = export_cell(run, export_dir(results_dir(sweep), name))
+    with (dest / "episodes.csv").open() as f:
+        rows = [r for r in csv.DictReader(f) if r["task"] == "pick_and_place_simple"]
+    assert [(r["domain"], r["split"]) for r in rows] == [("alfworld", "test"), ("alfworld@seen", "dev")]
+    # an export made before the split column is written again from its episodes
+    before = (dest / "episodes.csv").read_text()
+    (dest / "episodes.csv").write_text("stage,domain\n")
+    assert write_episodes_csv(dest).read_text() == before
+
+
+def test_a_committed_export_written_before_the_split_column_gets_the_reports_labels(tmp_path):
+    """The committed cross-domain cells: their episodes.csv rebuilt labels the seen rooms as the report."""
+    from hamo_ray.sweep_export import write_episodes_csv
+
+    cell = next((ROOT / "results" / "smollm2-cross" / "cells").glob("hamo-*-s0"))
+    copy = tmp_path / cell.name
+    shutil.copytree(cell, copy)
+    old = list(csv.DictReader((cell / "episodes.csv").open()))
+    assert "split" not in old[0]  # as committed: the seen rooms labelled "alfworld"
+    with write_episodes_csv(copy).open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(old)
+    labels = {(r["domain"], r["split"]) for r in rows}
+    assert ("alfworld@seen", "dev") in labels and ("alfworld", "test") in labels
+    assert ("alfworld", "dev") not in labels and ("alfworld@seen", "test") not in labels
+    metrics = json.loads((cell / "results" / "metrics.json").read_text())
+    by: dict = {}
+    for r in rows:
+        by.setdefault((int(r["stage"]), r["domain"]), []).append(float(r["score"]))
+    for (stage, domain), scores in by.items():  # each (stage, domain) mean is the report's score
+        want = metrics["initial"][domain] if stage == 0 else metrics["stage_scores"][domain][stage - 1]
+        assert sum(scores) / len(scores) == pytest.approx(want, abs=1e-6), (stage, domain)
+
+
+def test_the_committed_smollm2_exports_were_made_with_key_selection(tmp_path):
+    """The committed SmolLM2 cells were selected by key (before ``selection.embed`` existed): read so,
+    they count as finished under a config that says ``selection.embed=key`` and are stale, naming that
+    key alone, under the new default (a rerun selects by card, and the two are never aggregated)."""
+    from hamo_ray.sweep_export import cell_metrics
+
+    results = ROOT / "results" / "smollm2-within"
+    exported = next((results / "cells").glob("hamo-*-s0"))
+    assert "embed" not in yaml.safe_load((exported / "config.yaml").read_text())["selection"]
+    sweep, base = load_sweep(ROOT / "jobs" / "configs" / "sweep-smollm2-within.yaml")
+    (cfg,) = [c for name, c in expand_cells(sweep, base) if name == exported.name]
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"root": str(tmp_path / "runs")})})
+    key = cfg.model_copy(update={"selection": cfg.selection.model_copy(update={"embed": "key"})})
+    card = cfg.model_copy(update={"selection": cfg.selection.model_copy(update={"embed": "card"})})
+    assert stale_keys(exported, key) == []
+    metrics = cell_metrics(exported.name, key, results)
+    assert metrics is not None and metrics == json.loads((exported / "results" / "metrics.json").read_text())
+    assert stale_keys(exported, card) == ["selection.embed"]
+    assert cell_metrics(exported.name, card, results) is None
+
+
 def test_a_run_folder_without_episodes_exports_an_empty_summary(tmp_path):
     sweep, cells, _ = _sweep(tmp_path)
     name, cfg = cells[0]
     dest = export_cell(_finish(name, cfg, episodes=False), export_dir(results_dir(sweep), name))
     assert (dest / "episodes.csv").read_text().splitlines() == [
-        "stage,domain,task,variation,score,turns,done,error,cards_used,policy_tokens"
+        "stage,domain,split,task,variation,score,turns,done,error,cards_used,policy_tokens"
     ]
     assert not (dest / "episodes").exists()
     other, other_cfg = cells[1]
