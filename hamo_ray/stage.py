@@ -241,11 +241,19 @@ def train(
     """Step 5: behavioural cloning of ``batch`` into ``adapters/stage-<t><tag>``, from ``prev``.
 
     With ``method.conditioning`` each trajectory's examples carry the cards retrieved for it from
-    the memory up to this stage, never its own card (``training_experience``); else none.
+    the memory up to this stage, never a card of its own world, gated as the harness gates
+    (``training_experience``); else none.
     """
     cfg = ctx.cfg
     conditioned = cfg.method.conditioning and store is not None
-    cards = training_experience(store, batch, cfg.memory.top_k, max_stage=stage) if conditioned else {}
+    counts: dict[str, int] = {}  # injected, withheld by the gate, same-world cards skipped
+    cards = (
+        training_experience(store, batch, cfg.memory.top_k, max_stage=stage, mcfg=cfg.memory, counts=counts)
+        if conditioned
+        else {}
+    )
+    if counts:
+        logger.info("train: training cards %s", counts)
     rel = f"adapters/stage-{stage}{tag}"
     result = ctx.trainer.bc(
         batch, cards, ctx.folder.path / rel, init_adapter=prev, seed=stage_seed(cfg.run.seed, stage, "train"),

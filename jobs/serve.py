@@ -1,7 +1,8 @@
 """Serve a run: its backbone, every stage adapter and its harness, behind one OpenAI-compatible API.
 
-On this machine (joins the Ray cluster a ``ray start`` runs here, else starts a private one;
-``ray.address=local`` always a private one; Ctrl-C stops it)::
+On this machine (a private Ray unless ``RAY_ADDRESS`` or ``ray.address`` names a cluster, e.g.
+``ray.address=auto`` for the one a ``ray start`` runs here; the apps are ``hamo-<run id>`` at
+``/<run id>``, hamo_ray/naming.py; Ctrl-C stops it)::
 
     python jobs/serve.py --run runs/tiny-hamo-s0 [--stage 2] [--port 8000] [--api-key KEY] [serve.x=y ...]
 

@@ -10,6 +10,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A developer's exported keys would change every test stream (hamo_ray/config/secrets.py reads them).
+for _var in [
+    v for v in os.environ if v.startswith(("HAMO_API_KEY", "HAMO_LLM_API_KEY", "HAMO_STORAGE_OPTIONS"))
+]:
+    del os.environ[_var]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -89,11 +89,14 @@ class PolicyClient:
         tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
         return data["choices"][0]["message"]["content"] or "", tokens
 
-    async def retrieve(self, goal: str, init_obs: str) -> list[Card]:
-        """Top-k experience cards for (goal, initial observation) from the harness."""
+    async def retrieve(self, goal: str, init_obs: str, domain: str | None = None) -> list[Card]:
+        """Top-k experience cards for (goal, initial observation) from the harness (gated by the harness's
+        ``memory.gate_*``; ``domain``, the episode's, for ``gate_same_domain``)."""
         if not self.spec.harness_url:
             return []
         body = {"goal": goal, "init_obs": init_obs, "k": self.spec.top_k}
+        if domain is not None:
+            body["domain"] = domain
         resp = await self._http.post(f"{self.spec.harness_url}/retrieve", json=body)
         if resp.status_code != 200:
             raise RuntimeError(f"harness answered {resp.status_code}: {resp.text[:300]}")

@@ -219,7 +219,12 @@ class EnvWorker:
             # example of a trajectory does (and cards_used records them).
             fits, start = await self._fits(client.spec), 0
             cards = fit_cards(
-                goal, init_obs, await client.retrieve(goal, init_obs), pcfg, domain=task.domain, fits=fits
+                goal,
+                init_obs,
+                await client.retrieve(goal, init_obs, task.domain),
+                pcfg,
+                domain=task.domain,
+                fits=fits,
             )
             turns = self.env_cfg.max_turns
             constrain = client.spec.constrain_actions and self.domain.lists_actions
