@@ -119,13 +119,13 @@ def start_policy_server(
         blocking=False,
         logging_config=logging_config,
     )
-    url = base_url(_running_http(serve_cfg))
+    url = base_url(running_http(serve_cfg))
     wait_healthy(url, max(1.0, timeout_s - (time.monotonic() - t0)), instance, api_key=serve_cfg.api_key)
     logger.info("policy server %r healthy at %s after %.1fs", model_cfg.name, url, time.monotonic() - t0)
     return url
 
 
-def _running_http(serve_cfg: ServeConfig) -> ServeConfig:
+def running_http(serve_cfg: ServeConfig) -> ServeConfig:
     """``serve_cfg`` with the host and port of the running Serve proxy (an earlier start wins)."""
     try:
         from ray.serve.context import _get_global_client  # private; Serve has no public getter
@@ -152,7 +152,8 @@ def shutdown_policy_server(serve_cfg: ServeConfig | None = None) -> None:
         logger.info("policy server shutdown: %s", exc)
 
 
-def _probe(client: httpx.Client, url: str, model: str, prompt: str, tokens: int) -> dict[str, Any]:
+def greedy_probe(client: httpx.Client, url: str, model: str, prompt: str, tokens: int) -> dict[str, Any]:
+    """``model``'s greedy answer to ``prompt`` (``tokens`` tokens): its text, token ids and logprobs."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -186,8 +187,8 @@ def _load_and_probe(base_url, name, path, probe_prompt, probe_tokens, timeout_s,
         if name not in {m["id"] for m in models}:
             raise AdapterNotLiveError(f"adapter {name!r} loaded but not listed by /v1/models")
         base = next(m["id"] for m in models if m.get("parent") is None)
-        live = _probe(client, base_url, name, probe_prompt, probe_tokens)
-        ref = _probe(client, base_url, base, probe_prompt, probe_tokens)
+        live = greedy_probe(client, base_url, name, probe_prompt, probe_tokens)
+        ref = greedy_probe(client, base_url, base, probe_prompt, probe_tokens)
     return loaded, base, live, ref
 
 

@@ -262,11 +262,11 @@ def probe_agreement(
 ) -> dict[str, Any]:
     """A greedy probe of ``name`` through LoRA (``url``) and merged (``merged_url``): ``{"tokens_equal",
     "max_logprob_diff" (over the common prefix), "agree" (tokens equal or diff <= AGREEMENT_TOLERANCE)}``."""
-    from hamo_ray.serving.client import _probe, auth_headers
+    from hamo_ray.serving.client import auth_headers, greedy_probe
 
     with httpx.Client(timeout=600.0, headers=auth_headers(api_key)) as client:
-        lora = _probe(client, url, name, prompt, tokens)
-        merged = _probe(client, merged_url, name, prompt, tokens)
+        lora = greedy_probe(client, url, name, prompt, tokens)
+        merged = greedy_probe(client, merged_url, name, prompt, tokens)
     n = 0
     while n < min(len(lora["tokens"]), len(merged["tokens"])) and lora["tokens"][n] == merged["tokens"][n]:
         n += 1
@@ -315,7 +315,7 @@ class MergedApp:
         from ray import serve
 
         from hamo_ray.serving.app import build_app
-        from hamo_ray.serving.client import _running_http, base_url, direct_url, wait_healthy
+        from hamo_ray.serving.client import base_url, direct_url, running_http, wait_healthy
 
         t0, scfg, instance = time.monotonic(), self.serve_cfg, uuid.uuid4().hex
         self.serving = None
@@ -335,7 +335,7 @@ class MergedApp:
             blocking=False,
             logging_config={"enable_access_log": scfg.access_log},
         )
-        url = base_url(_running_http(scfg))
+        url = base_url(running_http(scfg))
         try:
             wait_healthy(url, self.timeout_s, instance, api_key=scfg.api_key)
         except Exception as exc:

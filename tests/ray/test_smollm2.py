@@ -277,7 +277,7 @@ def test_merged_weights_answer_as_the_adapter_and_the_base_stays_the_base(server
     import httpx
 
     from hamo_ray.serving import publish_adapter
-    from hamo_ray.serving.client import _probe
+    from hamo_ray.serving.client import greedy_probe
     from hamo_ray.serving.merged import (
         AGREEMENT_TOLERANCE,
         MergedApp,
@@ -292,7 +292,7 @@ def test_merged_weights_answer_as_the_adapter_and_the_base_stays_the_base(server
     name = f"stage-1:{folder_digest(path)[:12]}"
     prompts = [SERVE.probe_prompt, f"{TRAJ.goal} {TRAJ.init_obs} What do you do first?"]
     with httpx.Client(timeout=600) as client:
-        base_before = [_probe(client, server, MODEL.name, p, 24) for p in prompts]
+        base_before = [greedy_probe(client, server, MODEL.name, p, 24) for p in prompts]
     publish_adapter(server, name, path, SERVE.probe_prompt, SERVE.probe_tokens)
     app, route = merged_app_names(SERVE.app_name, "/smollm2")
     merged = MergedApp(str(folder), MODEL, SERVE.model_copy(update={"app_name": app, "route_prefix": route}),
@@ -307,13 +307,13 @@ def test_merged_weights_answer_as_the_adapter_and_the_base_stays_the_base(server
             assert agree["tokens_equal"], agree
             assert agree["max_logprob_diff"] <= AGREEMENT_TOLERANCE, agree
         with httpx.Client(timeout=600) as client:
-            lora = _probe(client, server, name, prompts[0], 24)
+            lora = greedy_probe(client, server, name, prompts[0], 24)
             assert (
                 lora["tokens"] != base_before[0]["tokens"] or lora["logprobs"] != base_before[0]["logprobs"]
             )
             # The base on the run's endpoint, after the merged app served: unchanged.
             for prompt, before in zip(prompts, base_before, strict=True):
-                after = _probe(client, server, MODEL.name, prompt, 24)
+                after = greedy_probe(client, server, MODEL.name, prompt, 24)
                 assert after["tokens"] == before["tokens"]
                 assert (
                     max(abs(a - b) for a, b in zip(after["logprobs"], before["logprobs"], strict=True)) < 1e-3
