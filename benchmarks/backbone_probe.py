@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def _backbone_tag(cfg) -> str:
     if cfg.model.path == "embedded":
-        from hamo_ray.training.backbone import backbone_path
+        from hamo_ray.backbones.toy import backbone_path
 
         return backbone_path(cfg).name
     return Path(cfg.model.path).name.removesuffix(".gguf") or "model"
@@ -80,8 +80,8 @@ def probe_config(
 def make_probe(cfg, per_task: int | None = None):
     """A ``Stream`` whose "test" tasks are train-split variations: the first ``protocol.train_per_task``
     of each task type (stage 0 only), or, with a BC stage, the ``per_task`` after the trained ones."""
-    from hamo_ray.steps import domain_tasks
-    from hamo_ray.stream import Stream
+    from hamo_ray.run.resources import domain_tasks
+    from hamo_ray.run.stream import Stream
 
     bc = cfg.protocol.num_stages == 1 and cfg.method.name != "base"  # one stage, then the probe again
 

@@ -270,8 +270,8 @@ def main() -> int:
 
     import ray
 
+    from hamo_ray.backbones.sources import resolve_model_path
     from hamo_ray.config import load_config
-    from hamo_ray.models import resolve_model_path
     from hamo_ray.serving.merged import merge_adapter
 
     cfg = load_config(args.config, args.overrides)

@@ -113,9 +113,9 @@ def main() -> int:
 
     import ray
 
+    from hamo_ray.backbones.tiny_lm import make_random_backbone
     from hamo_ray.rollout.pool import EnvPool
     from hamo_ray.serving import shutdown_policy_server, start_policy_server
-    from hamo_ray.training.tiny_lm import make_random_backbone
 
     model = args.model or str(make_random_backbone(Path("/tmp/hamo-bench-rollout/model")))
     env_cfg = EnvConfig(domain=args.domain, task_types=[args.task_type], max_turns=args.turns)

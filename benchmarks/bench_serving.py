@@ -63,7 +63,7 @@ def _weights(tmp: Path) -> tuple[Path, Path]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from hamo_ray.training.tiny_lm import make_random_backbone
+    from hamo_ray.backbones.tiny_lm import make_random_backbone
 
     base = make_random_backbone(tmp / "base")
     torch.manual_seed(1)

@@ -30,10 +30,10 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from hamo_ray.cluster import start_ray
     from hamo_ray.config import load_saved_config
-    from hamo_ray.memory.pipeline import training_experience
-    from hamo_ray.run_folder import RunFolder
+    from hamo_ray.memory.recall import training_experience
+    from hamo_ray.run.cluster import start_ray
+    from hamo_ray.run.folder import RunFolder
     from hamo_ray.training.examples import build_examples
     from hamo_ray.training.trainer import train_model
 

@@ -30,7 +30,7 @@ as ``***``) and exit, starting nothing::
     python jobs/serve.py --run runs/tiny-hamo-s0 --port 9000 serve.num_replicas=2 --print-config
 
 Exit status 2: not a run folder, a bad override or an uncommitted ``--stage``, named on stderr. The
-base model and the services come from ``hamo_ray.serve_run``; this file is only the command line.
+base model and the services come from ``hamo_ray.run.serve_job``; this file is only the command line.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from hamo_ray.config import ConfigError, load_saved_config  # noqa: E402
 from hamo_ray.logs import setup_logging  # noqa: E402
-from hamo_ray.serve_run import run_model_path, run_services  # noqa: E402
+from hamo_ray.run.serve_job import run_model_path, run_services  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
-    from hamo_ray.cluster import start_ray
+    from hamo_ray.run.cluster import start_ray
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

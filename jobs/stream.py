@@ -9,13 +9,13 @@ Against a running cluster (``ray start --head`` or ``ray up cluster.yaml``)::
     ray job submit --working-dir . -- python jobs/stream.py --config jobs/configs/tiny.yaml \
         run.root=/mnt/shared/hamo/runs
 
-The run folder is ``run.root/run.id`` (see hamo_ray/run_folder.py); resubmitting the same command
+The run folder is ``run.root/run.id`` (see hamo_ray/run/folder.py); resubmitting the same command
 resumes after the last committed stage. In a job submitted with a working_dir, ``run.root`` must be
 absolute (a folder every node sees): a relative one would resolve inside Ray's temporary copy of the
 working_dir on the head node, so the job refuses it (exit status 2).
 
 Check a config first, without a GPU or a run (data sources, one rendered training example and
-inference prompt per domain with token counts, the resource plan; see hamo_ray/dryrun.py)::
+inference prompt per domain with token counts, the resource plan; see hamo_ray/run/dryrun.py)::
 
     python jobs/stream.py --config jobs/configs/paper-qwen3-8b-cross.yaml --dry-run
 
@@ -71,12 +71,12 @@ def main(argv: list[str] | None = None) -> int:
             print(cfg.to_yaml(), end="")
             return 0
         if args.dry_run:
-            from hamo_ray.dryrun import dry_run
+            from hamo_ray.run.dryrun import dry_run
 
             dry_run(cfg)
             return 0
-        from hamo_ray.cluster import check_cluster_paths
-        from hamo_ray.stream import Stream
+        from hamo_ray.run.cluster import check_cluster_paths
+        from hamo_ray.run.stream import Stream
 
         check_cluster_paths(cfg.run.root)
         stream = Stream(cfg, config_name=Path(args.config).stem if args.config else "run")

@@ -14,7 +14,7 @@ working dir).
 
 Finished cells are skipped; resubmitting a killed sweep resumes it. Results: ``<root>/results/``
 (summary.json, table.md, plots) and ``<root>/report.md``. See hamo_ray/sweep.py for the file format;
-the scheduler is ``hamo_ray.sweep_runner``, this file only its command line.
+the scheduler is ``hamo_ray.sweep.runner``, this file only its command line.
 
 With ``results`` set (e.g. ``results=results/learning-smollm2-within``, a tracked folder), each cell's
 small results (config, state, scores, metrics, report, gzipped evaluation episodes, episodes.csv) are

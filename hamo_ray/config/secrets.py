@@ -18,7 +18,7 @@ A secret is written nowhere: ``HamoConfig.to_yaml`` (a run folder's ``config.yam
 ``--print-config``) and the tracker's parameters show ``MASK`` (``***``) in its place; error messages
 mask it; the fields are left out of reprs. A saved config read back (``load_saved_config``, or
 ``load_config`` of a run folder's file) drops a masked value, so the environment or the command line
-supplies it again, and a resume never compares secrets (``run_folder.compared``).
+supplies it again, and a resume never compares secrets (``run.folder.compared``).
 """
 
 from __future__ import annotations

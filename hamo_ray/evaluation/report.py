@@ -91,7 +91,7 @@ def stage_average(metrics: dict) -> float:
 
 
 def _fmt(r: dict) -> str:
-    from hamo_ray.sweep_report import fmt
+    from hamo_ray.sweep.report import fmt
 
     return fmt(r, digits=1, missing="-")
 

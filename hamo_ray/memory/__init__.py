@@ -22,14 +22,12 @@ from hamo_ray.memory.pipeline import (
     add_stage_cards,
     build_cards_dataset,
     distil_batch,
-    gate,
     internalised,
     release_internalised,
-    retrieve,
-    training_experience,
     write_cards,
     write_cards_report,
 )
+from hamo_ray.memory.recall import Recalled, gate, recall, retrieve, training_experience
 from hamo_ray.memory.schema import card_schema, to_card_table
 from hamo_ray.memory.store import MemoryStore
 
@@ -39,6 +37,7 @@ __all__ = [
     "LLMDistiller",
     "MemoryStore",
     "OutlineDistiller",
+    "Recalled",
     "Rejection",
     "WriteReport",
     "add_stage_cards",
@@ -51,6 +50,7 @@ __all__ = [
     "internalised",
     "key_text",
     "outline_from_trajectory",
+    "recall",
     "register_distiller",
     "release_internalised",
     "retrieve",

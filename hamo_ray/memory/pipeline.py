@@ -36,10 +36,9 @@ import numpy as np
 
 from hamo_ray.config import MemoryConfig
 from hamo_ray.memory.distill import card_from_trajectory, get_distiller
-from hamo_ray.memory.embed import Embedder, key_text
+from hamo_ray.memory.embed import Embedder
 from hamo_ray.memory.schema import CARD_FIELDS
 from hamo_ray.memory.store import MemoryStore
-from hamo_ray.memory.worlds import world_of_card, world_of_trajectory
 from hamo_ray.types import Card, TaskSpec, Trajectory, trajectory_id
 
 if TYPE_CHECKING:
@@ -309,7 +308,7 @@ def release_internalised(
     """docs/method.md step 6: release the cards of the anchors the trained model has internalised.
 
     Called after training when ``method.release`` is on. ``replays`` are the anchors' tasks played
-    again by the new adapter with no card injected (``hamo_ray.stage.release`` runs them with retrieval
+    again by the new adapter with no card injected (``hamo_ray.run.stage.release`` runs them with retrieval
     off); they are matched to the anchors by task id (``TaskSpec.id``). An anchor's card is released
     when its task has at least one replay and every replay of it is :func:`internalised` (no error,
     score >= ``mcfg.release_min_score``); an anchor without a replay keeps its card. Released cards
@@ -340,134 +339,3 @@ def release_internalised(
     ]
     store.release(ids)
     return ids
-
-
-def gate(
-    hits: Sequence[tuple[Card, float]], mcfg: MemoryConfig, domain: str | None = None
-) -> tuple[list[tuple[Card, float]], list[tuple[Card, float]]]:
-    """Experience gating: split retrieved cards into those injected and those withheld.
-
-    A card is injected when its cosine similarity to the query reaches ``mcfg.gate_min_similarity``
-    (None: any) and, with ``mcfg.gate_same_domain``, when it is of the query's ``domain``. Both off (the
-    default), every card is injected. The harness (inference) and :func:`training_experience` (training)
-    gate alike.
-
-    Args:
-        hits: ``(card, cosine similarity)`` pairs, most similar first.
-        mcfg: the memory settings.
-        domain: the query's domain (needed with ``gate_same_domain``).
-
-    Returns:
-        ``(injected, withheld)``, each in the order of ``hits``.
-
-    Raises:
-        ValueError: ``gate_same_domain`` is on and ``domain`` is not given.
-    """
-    threshold, same = mcfg.gate_min_similarity, mcfg.gate_same_domain
-    if same and not domain:
-        raise ValueError("memory.gate_same_domain needs the query's domain")
-    injected, withheld = [], []
-    for card, score in hits:
-        ok = (threshold is None or score >= threshold) and (not same or card.domain == domain)
-        (injected if ok else withheld).append((card, score))
-    return injected, withheld
-
-
-def training_experience(
-    store: MemoryStore,
-    trajectories: Sequence[Trajectory],
-    k: int,
-    max_stage: int | None = None,
-    mcfg: MemoryConfig | None = None,
-    counts: dict[str, int] | None = None,
-) -> dict[str, list[Card]]:
-    """The cards injected into each trajectory's training example: retrieved, never of its own world.
-
-    The query is the trajectory's own stored card vector (its key embedding), so the trajectories
-    must already be in ``store`` (distilled by this pipeline). Every card of the trajectory's world
-    (``hamo_ray.memory.worlds``: the same environment instance under any task type, its own card
-    included) is skipped, as inference never finds one: the k nearest of the other cards are retrieved,
-    then gated as the harness gates (:func:`gate`, with ``mcfg``).
-
-    Args:
-        store: the memory holding the trajectories' cards.
-        trajectories: the training trajectories.
-        k: cards retrieved per trajectory.
-        max_stage: only cards of stages up to this one (the memory ``M_t`` of stage t).
-        mcfg: the memory settings whose gate applies (None: no gating).
-        counts: when given, ``injected``, ``withheld`` (by the gate) and ``same_world`` (cards of the
-            trajectory's world that ranked among its nearest and were skipped; its own card not
-            counted) are added to it.
-
-    Returns:
-        Trajectory id -> up to ``k`` cards, most similar first.
-    """
-    if not trajectories:
-        return {}
-    ids = [t.card_id for t in trajectories]
-    worlds = [world_of_trajectory(t) for t in trajectories]
-    queries = store.vectors(ids)
-    found: dict[int, list[tuple[Card, float]]] = {}
-    skipped = [0] * len(trajectories)
-    pending, limit = list(range(len(trajectories))), k + 8
-    while pending:  # ask for more than k; again, for more, where the world's cards took too many
-        excluded = [{ids[i]} for i in pending]
-        hits = store.search(queries[pending], k=limit, exclude_ids=excluded, max_stage=max_stage)
-        retry = []
-        for i, h in zip(pending, hits, strict=True):
-            kept, same = [], 0
-            for card, score in h:
-                if len(kept) == k:
-                    break
-                if world_of_card(card) == worlds[i]:
-                    same += 1
-                else:
-                    kept.append((card, score))
-            if len(kept) == k or len(h) < limit:  # enough, or the memory holds no more
-                found[i], skipped[i] = kept, same
-            else:
-                retry.append(i)
-        pending, limit = retry, limit * 4
-    out, tally = {}, {"injected": 0, "withheld": 0, "same_world": 0}
-    for i, t in enumerate(trajectories):
-        injected, withheld = gate(found[i], mcfg, t.task.domain) if mcfg is not None else (found[i], [])
-        out[t.id] = [c for c, _ in injected]
-        tally["injected"] += len(injected)
-        tally["withheld"] += len(withheld)
-        tally["same_world"] += skipped[i]
-    if counts is not None:
-        for key, value in tally.items():
-            counts[key] = counts.get(key, 0) + value
-    logger.info(
-        "training experience: %d cards injected, %d withheld by the gate, %d of the examples' own worlds skipped",
-        tally["injected"], tally["withheld"], tally["same_world"],
-    )  # fmt: skip
-    return out
-
-
-def retrieve(
-    store: MemoryStore,
-    embedder: Embedder,
-    goal: str,
-    init_obs: str,
-    k: int,
-    exclude_ids: set[str] | None = None,
-    max_stage: int | None = None,
-) -> list[tuple[Card, float]]:
-    """The k cards nearest to one task's key ``(goal, init_obs)``.
-
-    Args:
-        store: the memory.
-        embedder: embeds the query key (same model as the stored vectors).
-        goal: the task request.
-        init_obs: the initial observation.
-        k: cards to return.
-        exclude_ids: card ids not to return (e.g. the trajectory's own card in training).
-        max_stage: only cards of stages up to this one.
-
-    Returns:
-        Up to k ``(card, cosine similarity)`` pairs, most similar first.
-    """
-    query = embedder.embed([key_text(goal, init_obs)])
-    excluded = [exclude_ids] if exclude_ids is not None else None
-    return store.search(query, k, exclude_ids=excluded, max_stage=max_stage)[0]

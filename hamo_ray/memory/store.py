@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hamo_ray.memory.index import INDEX_TYPES
 from hamo_ray.memory.schema import (
     CARD_FIELDS,
     CARD_VECTOR,
@@ -51,8 +52,6 @@ logger = logging.getLogger(__name__)
 
 _QUERY_CHUNK = 256  # query vectors per LanceDB call; bounds the size of one result table
 _ID_CHUNK = 512  # ids per "id IN (...)" filter
-PARTITION_ROWS = 4096  # rows per IVF partition of the ANN index
-INDEX_TYPES = ("ivf_sq", "ivf_pq", "ivf_hnsw_sq")
 
 
 def _sql_list(values: Sequence[str]) -> str:
@@ -276,59 +275,27 @@ class MemoryStore:
 
     def indexed(self) -> bool:
         """Whether the vector column has an ANN index."""
+        from hamo_ray.memory.index import has_vector_index
+
         table = self._open()
-        return table is not None and any(i.columns == ["vector"] for i in table.list_indices())
+        return table is not None and has_vector_index(table)
 
     def ensure_index(self, force: bool = False) -> bool:
-        """Build the ANN index once the table reaches ``index_threshold`` rows; update it later.
-
-        With the vector index come scalar indices on ``released`` (bitmap) and ``stage`` (btree):
-        search prefilters on both, and without them every query would scan those columns.
-        Only the writer calls this. Rows added after the build are searched exactly until the next
-        call folds them into the indices (``optimize``).
-
-        Args:
-            force: build even below the threshold.
+        """Build the ANN index once the table reaches ``index_threshold`` rows (``force``: even below it);
+        update it later (``hamo_ray.memory.index.ensure_index``). Only the writer calls this.
 
         Returns:
             Whether the table is indexed now.
         """
-        from lancedb.index import Bitmap, BTree
+        from hamo_ray.memory.index import ensure_index
 
         table = self._open()
-        n = 0 if table is None else table.count_rows()
-        if table is None or (n < self.index_threshold and not force) or n < 256:
-            return self.indexed()
-        if self.indexed():
-            table.optimize()
-            return True
-        start = time.perf_counter()
-        table.create_index("vector", config=self._index_config(n))
-        if self._has_released():
-            table.create_index(RELEASED, config=Bitmap(), replace=True)
-        table.create_index("stage", config=BTree(), replace=True)
-        logger.info(
-            "memory %s: %s index over %d rows in %.1f s",
-            self.uri,
-            self.index_type.upper(),
-            n,
-            time.perf_counter() - start,
-        )
-        return True
-
-    def _index_config(self, n: int) -> Any:
-        from lancedb.index import IvfHnswSq, IvfPq, IvfSq
-
-        # ~4,096 rows a partition: k-means stays cheap at 10^6 rows, and nprobes partitions scan a
-        # few percent of the table; the exact re-ranking (refine_factor * k) fixes the order that
-        # quantisation blurs. HNSW graphs search large partitions well: 16x fewer of them.
-        partitions = max(1, round(n / PARTITION_ROWS))
-        if self.index_type == "ivf_sq":
-            return IvfSq(distance_type="cosine", num_partitions=partitions)
-        if self.index_type == "ivf_hnsw_sq":
-            return IvfHnswSq(distance_type="cosine", num_partitions=max(1, partitions // 16))
-        sub_vectors = next(s for s in (48, 32, 24, 16, 12, 8, 4, 2, 1) if self.dim % s == 0)
-        return IvfPq(distance_type="cosine", num_partitions=partitions, num_sub_vectors=sub_vectors)
+        if table is None:
+            return False
+        return ensure_index(
+            table, self.index_type, self.dim, self.index_threshold, force=force,
+            has_released=self._has_released(), uri=self.uri,
+        )  # fmt: skip
 
     def cards(self, stage: int | None = None) -> list[Card]:
         """All cards, or those of one stage, ordered by (stage, trajectory id).

@@ -1,6 +1,6 @@
 """Which environment instance ("world") a card or a trajectory belongs to, per domain.
 
-Training-time retrieval (``hamo_ray.memory.pipeline.training_experience``) excludes every card of the
+Training-time retrieval (``hamo_ray.memory.recall.training_experience``) excludes every card of the
 example's own world, under any task type: at inference no card of the test task's world exists (test
 variations are never trained on), so a training example that sees one (the "twin") learns to copy what
 inference never offers::

@@ -3,7 +3,7 @@
 Adapters live in one root (a run folder's ``adapters/``): a load names a folder in it (absolute or
 relative), which must resolve inside the root and hold a peft adapter of a rank the engine takes. A
 name is never reused for another folder. A name ending in ``:<12 hex digits>`` (a stage's,
-``runtime.Services.adapter_name``) names the folder's content too (``objstore.folder_digest``): it is
+``run.services.Services.adapter_name``) names the folder's content too (``objstore.folder_digest``): it is
 loaded only while the folder holds exactly those weights, so a folder rewritten by a redone stage is
 never served under the name of its first attempt.
 

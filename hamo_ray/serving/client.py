@@ -113,7 +113,7 @@ def start_policy_server(
     app = build_app(model_path, model_cfg, serve_cfg, adapter_root, max_lora_rank, instance)
     serve.run(
         app,
-        # A run names its app and route after its run id (runtime.Services); a bare config: hamo at /.
+        # A run names its app and route after its run id (run.services.Services); a bare config: hamo at /.
         name=serve_cfg.app_name or "hamo",
         route_prefix=serve_cfg.route_prefix or "/",
         blocking=False,

@@ -9,7 +9,7 @@ the table's latest version, so cards written by the stream are visible at once.
     GET  {route}/health
 
 Retrieval matches the query's key (goal, initial observation) against the cards' ``vector`` (their
-keys' embeddings), then gates the top-k as training does (``hamo_ray.memory.pipeline.gate``:
+keys' embeddings), then gates the top-k as training does (``hamo_ray.memory.recall.gate``:
 ``memory.gate_min_similarity``, ``memory.gate_same_domain``, off by default): ``cards`` are the injected
 ones, ``withheld`` counts those the gate held back (``domain``, the query's, is needed with
 ``gate_same_domain``).
@@ -94,16 +94,14 @@ class HarnessServer:
         ``{"cards": [Card as JSON], "scores": [cosine], "withheld": n}`` (ValueError when the memory's
         vector width is not the embedding model's, or ``gate_same_domain`` lacks the ``domain``)."""
         from hamo_ray.memory.embed import key_text
-        from hamo_ray.memory.pipeline import gate
+        from hamo_ray.memory.recall import recall
 
         if self.max_stage is not None:
             max_stage = self.max_stage if max_stage is None else min(max_stage, self.max_stage)
         store = self._get_store()
-        if store.count() == 0:
-            gate([], self.memory, domain)  # the same refusal on an empty memory
-            return {"cards": [], "scores": [], "withheld": 0}
-        vector = self.embedder.embed([key_text(goal, init_obs)])
-        hits, withheld = gate(store.search(vector, k=k, max_stage=max_stage)[0], self.memory, domain)
+        query = self.embedder.embed([key_text(goal, init_obs)])
+        got = recall(store, query, k, self.memory, [domain], max_stage=max_stage)[0]
+        hits, withheld = got.injected, got.withheld
         return {
             "cards": [c.model_dump(mode="json") for c, _ in hits],
             "scores": [float(s) for _, s in hits],

@@ -8,7 +8,7 @@ and trains on the stream's kept worker group (``group.KeptGroup``)::
     encoded = trainer.encode_pairs(build_pairs(expert, explored))
     result = trainer.dpo(encoded, bc_dir, out_dir, seed=s, name="stage-1-dpo")
 
-The stage's steps (``hamo_ray.stage``) train through these three methods only; the stage test puts a
+The stage's steps (``hamo_ray.run.stage``) train through these three methods only; the stage test puts a
 fake in its place.
 """
 

@@ -40,7 +40,7 @@ def weights(tmp_path_factory):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from hamo_ray.training.tiny_lm import make_random_backbone
+    from hamo_ray.backbones.tiny_lm import make_random_backbone
 
     root = tmp_path_factory.mktemp("serving_gpu")
     base = make_random_backbone(root / "base")

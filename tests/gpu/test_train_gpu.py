@@ -33,7 +33,7 @@ def ray_gpu():
 
 @pytest.fixture(scope="module")
 def backbone(tmp_path_factory):
-    from hamo_ray.training.tiny_lm import make_random_backbone
+    from hamo_ray.backbones.tiny_lm import make_random_backbone
 
     return str(make_random_backbone(tmp_path_factory.mktemp("train_gpu") / "base"))
 
@@ -207,9 +207,9 @@ def test_dpo_on_cuda(ray_gpu, tmp_path, strategy):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hamo_ray.backbones.tiny_lm import make_random_backbone
     from hamo_ray.training.dpo import encode_pairs, train_dpo, trajectory_logprobs
     from hamo_ray.training.loop import ModelSpec, load_model
-    from hamo_ray.training.tiny_lm import make_random_backbone
 
     base = make_random_backbone(tmp_path / "base")
     tok = AutoTokenizer.from_pretrained(base)

@@ -36,7 +36,7 @@ def ray_gpu():
 
 @pytest.fixture(scope="module")
 def backbone(tmp_path_factory):
-    from hamo_ray.training.tiny_lm import make_random_backbone
+    from hamo_ray.backbones.tiny_lm import make_random_backbone
 
     return str(make_random_backbone(tmp_path_factory.mktemp("zero") / "base"))
 

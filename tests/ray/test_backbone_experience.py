@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 from test_memory_pipeline import _trajectories  # tests/ray is on sys.path (no packages)
 
+from hamo_ray.backbones.toy import pretraining_experience
 from hamo_ray.config import load_config
 from hamo_ray.memory import Embedder, get_distiller
-from hamo_ray.training.backbone import pretraining_experience
 from hamo_ray.types import key_text
 
 

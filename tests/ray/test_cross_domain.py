@@ -8,7 +8,7 @@ import json
 import pytest
 
 from hamo_ray.config import load_config
-from hamo_ray.stream import Stream
+from hamo_ray.run.stream import Stream
 
 
 @pytest.mark.timeout(1800)

@@ -35,9 +35,9 @@ def test_dpo_raises_the_chosen_margin(ray_session, tmp_path, engine):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hamo_ray.backbones.tiny_lm import make_random_backbone
     from hamo_ray.training.group import make_group
     from hamo_ray.training.loop import ModelSpec, load_model
-    from hamo_ray.training.tiny_lm import make_random_backbone
 
     base = make_random_backbone(tmp_path / "base")
     tok = AutoTokenizer.from_pretrained(base)
@@ -101,8 +101,8 @@ def test_dpo_raises_the_chosen_margin(ray_session, tmp_path, engine):
 def test_packed_and_padded_trajectory_logprobs_agree(tmp_path):
     from transformers import AutoTokenizer
 
+    from hamo_ray.backbones.tiny_lm import make_random_backbone
     from hamo_ray.training.loop import ModelSpec, load_model
-    from hamo_ray.training.tiny_lm import make_random_backbone
 
     base = make_random_backbone(tmp_path / "base")
     tok = AutoTokenizer.from_pretrained(base)

@@ -15,7 +15,7 @@ import math
 import pytest
 
 from hamo_ray.config import load_config
-from hamo_ray.stream import Stream
+from hamo_ray.run.stream import Stream
 
 OVERRIDES = [
     "method.name=eto",
@@ -50,7 +50,7 @@ def test_eto_stream_trains_dpo_on_kept_workers(ray_session, tmp_path, caplog):
         assert (tmp_path / "e" / "adapters" / f"stage-{stage}" / "adapter_model.safetensors").exists()
     assert stream.train_group.group is None  # the kept workers were stopped with the run
     # Per-step figures of both losses in the run's TensorBoard events, each counted on across stages.
-    from hamo_ray.tracking import read_scalars
+    from hamo_ray.run.tracking import read_scalars
 
     scalars = read_scalars(tmp_path / "e" / "tensorboard")
     assert len(scalars["train/loss"]) > 1

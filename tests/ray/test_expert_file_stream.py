@@ -20,7 +20,7 @@ from hamo_ray.envs import get_domain
 from hamo_ray.envs.expert_ids import agentgym_sciworld_items
 from hamo_ray.envs.webshop.catalog import build_catalog
 from hamo_ray.envs.webshop.server import StandinServer
-from hamo_ray.stream import Stream
+from hamo_ray.run.stream import Stream
 from hamo_ray.types import TaskSpec, Trajectory
 
 

@@ -310,7 +310,7 @@ def test_serve_follow_loop_survives_a_dropped_connection(monkeypatch, caplog):
             raise err
         return httpx.Response(200, json={})
 
-    class Services:  # stand-in for hamo_ray.runtime.Services
+    class Services:  # stand-in for hamo_ray.run.services.Services
         class endpoint:
             base_url, api_key = "http://127.0.0.1:1", None
 

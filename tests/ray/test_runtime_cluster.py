@@ -1,4 +1,4 @@
-"""``hamo_ray.cluster.start_ray`` joins a running ``ray start`` cluster with ``ray.address=auto`` only: by default
+"""``hamo_ray.run.cluster.start_ray`` joins a running ``ray start`` cluster with ``ray.address=auto`` only: by default
 (no ``RAY_ADDRESS``) it starts a private Ray, as ``ray.address=local`` always does.
 
 A real head node (``ray start --head --block``) runs with its own Ray temp folder (``RAY_TMPDIR``),
@@ -31,7 +31,7 @@ DRIVER = """
 import json, sys
 import ray
 from hamo_ray.config import RayConfig
-from hamo_ray.cluster import start_ray
+from hamo_ray.run.cluster import start_ray
 address = sys.argv[1] or None
 start_ray(RayConfig(address=address, num_cpus=2))
 

@@ -125,7 +125,7 @@ def adapter_store():
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, adapter_store) -> Path:
-    from hamo_ray.training.tiny_lm import make_random_backbone
+    from hamo_ray.backbones.tiny_lm import make_random_backbone
 
     root = tmp_path_factory.mktemp("serve_job")
     base = make_random_backbone(root / "base")

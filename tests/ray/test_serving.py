@@ -65,7 +65,7 @@ def _make_adapter(base, path, seed: int, init_lora_weights: bool = False) -> Non
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    from hamo_ray.training.tiny_lm import make_random_backbone
+    from hamo_ray.backbones.tiny_lm import make_random_backbone
 
     root = tmp_path_factory.mktemp("serving")
     base = make_random_backbone(root / "base")

@@ -40,7 +40,7 @@ def _samples(text: str, name: str) -> list:
 
 @pytest.fixture(scope="module")
 def server(ray_session, tmp_path_factory):
-    from hamo_ray.training.tiny_lm import make_random_backbone
+    from hamo_ray.backbones.tiny_lm import make_random_backbone
 
     root = tmp_path_factory.mktemp("replicas")
     url = start_policy_server(

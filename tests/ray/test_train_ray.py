@@ -35,7 +35,7 @@ def _examples(n: int, seed: int = 0, length: int = 160) -> list[Example]:
 def base(tmp_path_factory):
     from transformers import AutoConfig
 
-    from hamo_ray.training.tiny_lm import make_random_backbone
+    from hamo_ray.backbones.tiny_lm import make_random_backbone
 
     path = make_random_backbone(tmp_path_factory.mktemp("rt") / "base")
     assert AutoConfig.from_pretrained(path).vocab_size > VOCAB
@@ -151,7 +151,7 @@ def test_a_stream_survives_a_training_worker_killed_mid_stage(ray_session, tmp_p
     """The tiny stream on Ray Train; rank 1 is SIGKILLed during stage 2's training. The stream still
     commits every stage, with one adapter per stage, as an unbroken run does."""
     from hamo_ray.config import load_config
-    from hamo_ray.stream import Stream
+    from hamo_ray.run.stream import Stream
 
     cfg = load_config(
         "jobs/configs/tiny.yaml",

@@ -102,7 +102,7 @@ def test_cluster_yaml_tools_and_extras_exist():
     [("paper-qwen3-8b-within-1node.yaml", 8), ("paper-qwen3-14b-cross-2node.yaml", 16)],
 )
 def test_node_presets_fit_their_nodes(preset, gpus):
-    from hamo_ray.gpu_plan import format_plan, gpu_plan
+    from hamo_ray.run.gpu_plan import format_plan, gpu_plan
 
     plan = gpu_plan(load_config(ROOT / "jobs" / "configs" / preset), card_gib=80)
     assert plan.total_gpus == gpus
@@ -113,7 +113,7 @@ def test_node_presets_fit_their_nodes(preset, gpus):
 
 @pytest.mark.parametrize("size", ["8b", "14b"])
 def test_large_presets_need_gradient_checkpointing(size):
-    from hamo_ray.gpu_plan import gpu_plan
+    from hamo_ray.run.gpu_plan import gpu_plan
 
     cfg = load_config(ROOT / "jobs" / "configs" / f"paper-qwen3-{size}-within.yaml")
     assert cfg.train.gradient_checkpointing
@@ -129,7 +129,7 @@ def test_shape_estimate_matches_a_real_model(tmp_path):
     """The parameter count the memory estimate uses equals a real Qwen3 model's, and the Qwen3-8B shape is 8.2B."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from hamo_ray.gpu_plan import KNOWN_SHAPES, model_shape
+    from hamo_ray.run.gpu_plan import KNOWN_SHAPES, model_shape
 
     for tied in (True, False):
         cfg = Qwen3Config(

@@ -78,7 +78,7 @@ def test_resolved_config_round_trips(tmp_path):
 
 def test_backbone_key_follows_the_experts_data() -> None:
     """A setting that changes a domain's expert data changes the cached backbone's key; others do not."""
-    from hamo_ray.training.backbone import backbone_key
+    from hamo_ray.backbones.toy import backbone_key
 
     cross = "jobs/configs/tiny-cross.yaml"
     base = backbone_key(load_config(cross, []))
@@ -92,7 +92,7 @@ def test_backbone_key_follows_the_experts_data() -> None:
 
 def test_backbone_per_task_per_domain() -> None:
     """``backbone.per_task`` one number, or one per domain of the stream (a missing domain is named)."""
-    from hamo_ray.training.backbone import backbone_key
+    from hamo_ray.backbones.toy import backbone_key
 
     cross = "jobs/configs/tiny-cross.yaml"
     cfg = load_config(cross, ["backbone.per_task={scienceworld: 20, alfworld: 60, webshop: 40}"])

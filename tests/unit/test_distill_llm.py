@@ -194,9 +194,9 @@ def test_stage_distil_binds_the_policy_endpoint_and_counts_fallbacks(monkeypatch
     """stage.distil: 'policy' becomes the run's endpoint (base model); the report's fallbacks are counted."""
     from types import SimpleNamespace
 
-    from hamo_ray import stage
     from hamo_ray.config import load_config
     from hamo_ray.memory.pipeline import WriteReport
+    from hamo_ray.run import stage
 
     seen = {}
 

@@ -19,10 +19,10 @@ import pytest
 from expert_formats import agentgym_item, eto_item, write
 
 from hamo_ray.config import EnvConfig, load_config
-from hamo_ray.dryrun import dry_run
 from hamo_ray.envs import get_domain
 from hamo_ray.envs.webshop.catalog import build_catalog
 from hamo_ray.envs.webshop.server import StandinServer
+from hamo_ray.run.dryrun import dry_run
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted((ROOT / "jobs" / "configs").glob("*.yaml"))
@@ -199,7 +199,7 @@ def test_cli_exit_status_and_stderr(sources, qwen3_folder, tmp_path: Path) -> No
 
 def test_stream_stops_before_any_work_on_a_missing_source(tmp_path: Path) -> None:
     from hamo_ray.config import ConfigError
-    from hamo_ray.stream import Stream
+    from hamo_ray.run.stream import Stream
 
     runs = tmp_path / "runs"
     cases = [

@@ -227,7 +227,7 @@ def test_every_preset_saved_in_the_old_layout_upgrades_to_itself(preset):
 
 
 def _run_folder(tmp_path: Path, cfg: HamoConfig):
-    from hamo_ray.run_folder import RunFolder
+    from hamo_ray.run.folder import RunFolder
     from hamo_ray.types import StageResult
 
     folder = RunFolder(tmp_path / cfg.run.id, cfg)
@@ -240,7 +240,7 @@ def _run_folder(tmp_path: Path, cfg: HamoConfig):
 
 
 def test_a_run_folder_saved_in_the_old_layout_resumes(tmp_path):
-    from hamo_ray.run_folder import RunFolder
+    from hamo_ray.run.folder import RunFolder
 
     cfg = load_config(TINY_CROSS, [f"run.root={tmp_path}", "run.id=r1", "env.webshop.ids=short"])
     folder = _run_folder(tmp_path, cfg)
@@ -269,7 +269,7 @@ def test_a_sweep_export_saved_in_the_old_layout_is_not_stale(tmp_path):
 
 def test_the_training_engine_may_change_on_resume_and_in_an_export(tmp_path):
     """train.engine, max_failures, storage, keep_workers change how a stage trains, not what it computes."""
-    from hamo_ray.run_folder import RunFolder
+    from hamo_ray.run.folder import RunFolder
     from hamo_ray.sweep import stale_keys
 
     cfg = load_config(TINY_CROSS, [f"run.root={tmp_path}", "run.id=r2", "train.engine=actors"])

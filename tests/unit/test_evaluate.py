@@ -8,7 +8,7 @@ import pytest
 from hamo_ray.config import EvalConfig
 from hamo_ray.evaluation.faults import StageFailed, fault_kind
 from hamo_ray.rollout.client import PolicySpec
-from hamo_ray.stage import evaluate
+from hamo_ray.run.acting import evaluate
 from hamo_ray.types import TaskSpec, Trajectory
 
 SPEC = PolicySpec(base_url="http://127.0.0.1:9", model="base")  # no endpoint: no cache counters

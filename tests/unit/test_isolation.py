@@ -12,7 +12,6 @@ import lancedb
 import pytest
 
 from hamo_ray import naming
-from hamo_ray.cluster import cluster_address
 from hamo_ray.config import ConfigError, RayConfig, ServeConfig, load_config
 from hamo_ray.memory.store import MemoryStore
 from hamo_ray.naming import (
@@ -30,8 +29,10 @@ from hamo_ray.naming import (
     store_prefix,
     sweep_name,
 )
-from hamo_ray.run_folder import RunFolder
-from hamo_ray.runtime import Services, shared_serve_cfg
+from hamo_ray.run.cluster import cluster_address
+from hamo_ray.run.folder import RunFolder
+from hamo_ray.run.serve_apps import shared_serve_cfg
+from hamo_ray.run.services import Services
 
 
 def test_slug_keeps_a_plain_id_and_makes_any_other_one_safe_and_distinct():
@@ -175,7 +176,7 @@ def test_services_refuse_before_deploying_anything_and_delete_nothing(tmp_path, 
     folder.prepare()
     fake = _FakeServe(["hamo-r"])  # another user's run with the same run id, say
     monkeypatch.setattr(ray, "serve", fake, raising=False)  # what `from ray import serve` finds
-    monkeypatch.setattr("hamo_ray.runtime._cluster_id", lambda: "gcs:1")
+    monkeypatch.setattr("hamo_ray.run.services.cluster_id", lambda: "gcs:1")
     services = Services(cfg, folder)
     assert services.app_names()[:3] == ("hamo-r", "/r", "hamo-r-harness")
     with pytest.raises(AppExistsError, match="'hamo-r'"):

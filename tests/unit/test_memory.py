@@ -499,7 +499,7 @@ def test_worlds_per_domain():
 
 
 def test_training_experience_never_retrieves_a_card_of_the_examples_world(tmp_path):
-    from hamo_ray.memory.pipeline import training_experience
+    from hamo_ray.memory.recall import training_experience
 
     query = _world_traj("scienceworld", "lifespan-longest-lived", 3)
     twins = [
@@ -529,7 +529,7 @@ def test_training_experience_never_retrieves_a_card_of_the_examples_world(tmp_pa
 
 def test_training_experience_asks_again_when_the_world_fills_the_first_answer(tmp_path):
     """ALFWorld: 15 games of one room nearer than any other card (more than the k + 8 first asked)."""
-    from hamo_ray.memory.pipeline import training_experience
+    from hamo_ray.memory.recall import training_experience
 
     room = "You are in the middle of a room. Looking quickly around you, you see a cabinet 1."
     same = [_world_traj("alfworld", "pick_and_place_simple", v, room) for v in range(16)]
@@ -546,7 +546,7 @@ def test_training_experience_asks_again_when_the_world_fills_the_first_answer(tm
 
 def test_gate_withholds_cards_below_the_threshold_or_of_another_domain(tmp_path):
     from hamo_ray.config import MemoryConfig
-    from hamo_ray.memory.pipeline import gate, training_experience
+    from hamo_ray.memory.recall import gate, training_experience
 
     sw = _world_traj("scienceworld", "boil", 1)
     hits = [

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from hamo_ray.config import load_config
-from hamo_ray.run_folder import RunFolder
-from hamo_ray.runtime import Endpoint, Services
+from hamo_ray.run.folder import RunFolder
+from hamo_ray.run.services import Endpoint, Services
 from hamo_ray.serving import merged as M
 from hamo_ray.serving.adapters import AdapterError, AdapterRegistry
 from hamo_ray.serving.engine import engine_kwargs

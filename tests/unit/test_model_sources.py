@@ -22,9 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from hamo_ray import models
-from hamo_ray.config import ConfigError, ModelConfig
-from hamo_ray.models import (
+from hamo_ray.backbones import sources as models
+from hamo_ray.backbones.sources import (
     MARKER,
     cached_model_folder,
     check_model_source,
@@ -34,7 +33,8 @@ from hamo_ray.models import (
     resolve_model_path,
     source_config,
 )
-from hamo_ray.stream import check_model_path
+from hamo_ray.config import ConfigError, ModelConfig
+from hamo_ray.run.stream import check_model_path
 
 TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -172,7 +172,7 @@ def test_folder_name_follows_the_content(tiny_gguf, tmp_path):
 
 def test_two_converting_at_once_convert_once(tiny_gguf, tmp_path, monkeypatch, caplog):
     calls = _count_conversions(monkeypatch, delay=2.0)  # the second arrives while the first converts
-    caplog.set_level(logging.INFO, logger="hamo_ray.models")
+    caplog.set_level(logging.INFO, logger="hamo_ray.backbones.sources")
     results, errors = [], []
 
     def convert() -> None:

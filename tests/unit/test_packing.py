@@ -32,7 +32,7 @@ def _examples(n: int, seed: int = 0) -> list[Example]:
 
 @pytest.fixture(scope="module")
 def backbone(tmp_path_factory):
-    from hamo_ray.training.tiny_lm import make_random_backbone
+    from hamo_ray.backbones.tiny_lm import make_random_backbone
 
     return str(make_random_backbone(tmp_path_factory.mktemp("pack") / "base"))
 

@@ -21,7 +21,7 @@ from hamo_ray.types import Card, TaskSpec, Trajectory
 def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from hamo_ray.training.tiny_lm import make_random_backbone
+    from hamo_ray.backbones.tiny_lm import make_random_backbone
 
     path = make_random_backbone(tmp_path_factory.mktemp("bb") / "model")
     return AutoTokenizer.from_pretrained(path)
@@ -224,7 +224,7 @@ def test_one_sequence_gives_the_per_step_loss_and_gradients(tokenizer, tmp_path_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hamo_ray.training.tiny_lm import make_random_backbone
+    from hamo_ray.backbones.tiny_lm import make_random_backbone
 
     torch.manual_seed(0)
     path = make_random_backbone(tmp_path_factory.mktemp("grad") / "model")

@@ -7,10 +7,11 @@ import pytest
 from hamo_ray.config import load_config
 from hamo_ray.evaluation.faults import StageFailed
 from hamo_ray.memory import release_internalised
-from hamo_ray.run_folder import RunFolder
-from hamo_ray.stage import StageContext, release
-from hamo_ray.steps import SEED_PURPOSES, stage_seed
-from hamo_ray.tracking import stage_scalars
+from hamo_ray.run.folder import RunFolder
+from hamo_ray.run.resources import SEED_PURPOSES, stage_seed
+from hamo_ray.run.acting import release
+from hamo_ray.run.context import StageContext
+from hamo_ray.run.tracking import stage_scalars
 from hamo_ray.types import StageResult, TaskSpec, Trajectory
 
 

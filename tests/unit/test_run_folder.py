@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from hamo_ray.config import ConfigError, load_config
-from hamo_ray.run_folder import RunFolder, RunLockedError, atomic_write, committed_stage_count
+from hamo_ray.run.folder import RunFolder, RunLockedError, atomic_write, committed_stage_count
 from hamo_ray.types import StageResult
 
 
@@ -27,7 +27,7 @@ def _stage(t: int, score: float = 10.0) -> StageResult:
 
 
 def test_a_kill_between_results_and_state_leaves_the_stage_uncommitted(tmp_path, monkeypatch):
-    import hamo_ray.run_folder as rf
+    import hamo_ray.run.folder as rf
 
     folder = RunFolder(tmp_path / "r", _cfg(tmp_path, "run.id=r"))
     folder.prepare()
@@ -54,7 +54,7 @@ def test_a_kill_between_results_and_state_leaves_the_stage_uncommitted(tmp_path,
 
 
 def test_a_stage_listed_in_the_state_always_has_its_rows(tmp_path, monkeypatch):
-    import hamo_ray.run_folder as rf
+    import hamo_ray.run.folder as rf
 
     folder = RunFolder(tmp_path / "r", _cfg(tmp_path, "run.id=r"))
     folder.prepare()
@@ -96,7 +96,7 @@ def test_a_second_job_on_the_same_run_folder_is_refused_naming_the_holder(tmp_pa
         other.lock()
     # another process too (a second `ray job submit` of the same run)
     code = (
-        "import sys; from hamo_ray.config import load_config; from hamo_ray.run_folder import RunFolder\n"
+        "import sys; from hamo_ray.config import load_config; from hamo_ray.run.folder import RunFolder\n"
         f"f = RunFolder({str(tmp_path / 'r')!r}, load_config('jobs/configs/tiny.yaml', []))\n"
         "try:\n    f.lock()\nexcept Exception as e:\n    print(type(e).__name__, e); sys.exit(3)\n"
     )
@@ -109,7 +109,7 @@ def test_a_second_job_on_the_same_run_folder_is_refused_naming_the_holder(tmp_pa
 
 def test_a_killed_job_releases_the_folder(tmp_path):
     code = (
-        "import os, time; from hamo_ray.config import load_config; from hamo_ray.run_folder import RunFolder\n"
+        "import os, time; from hamo_ray.config import load_config; from hamo_ray.run.folder import RunFolder\n"
         f"f = RunFolder({str(tmp_path / 'r')!r}, load_config('jobs/configs/tiny.yaml', []))\nf.lock()\n"
         "print('locked', flush=True); time.sleep(60)\n"
     )

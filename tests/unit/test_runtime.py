@@ -1,4 +1,4 @@
-"""``hamo_ray.runtime`` without Ray: the cluster rule, the client spec, names, adapter publishing paths."""
+"""``hamo_ray.run.services`` without Ray: the cluster rule, the client spec, names, adapter publishing paths."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from hamo_ray.cluster import cluster_address, local_cpus
 from hamo_ray.config import ConfigError, RayConfig, load_config
 from hamo_ray.rollout.client import PolicyClient
-from hamo_ray.run_folder import PhaseClock, RunFolder
-from hamo_ray.runtime import Endpoint, Services
+from hamo_ray.run.cluster import cluster_address, local_cpus
+from hamo_ray.run.folder import PhaseClock, RunFolder
+from hamo_ray.run.services import Endpoint, Services
 
 
 @pytest.fixture

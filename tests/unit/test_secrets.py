@@ -183,9 +183,9 @@ def _fake_backends(monkeypatch, store: Path) -> None:
 
 @pytest.mark.parametrize("how", ["cli", "env", "file"])
 def test_no_file_of_a_run_folder_tracker_or_export_holds_a_key(how, tmp_path, monkeypatch):
-    from hamo_ray.run_folder import RunFolder
-    from hamo_ray.sweep_export import export_cell, stale_keys
-    from hamo_ray.tracking import Tracker, stage_scalars
+    from hamo_ray.run.folder import RunFolder
+    from hamo_ray.run.tracking import Tracker, stage_scalars
+    from hamo_ray.sweep.export import export_cell, stale_keys
     from hamo_ray.types import StageResult
 
     runs = tmp_path / "runs"
@@ -233,7 +233,7 @@ def test_no_file_of_a_run_folder_tracker_or_export_holds_a_key(how, tmp_path, mo
 
 def test_an_export_of_an_older_run_folder_masks_its_key(tmp_path):
     """A run folder written before secrets were masked holds its key; its export (git-tracked) does not."""
-    from hamo_ray.sweep_export import export_cell, stale_keys
+    from hamo_ray.sweep.export import export_cell, stale_keys
 
     cfg = load_config(TINY, [f"serve.api_key={KEY}", f"memory.storage_options={{k: {S3_SECRET}}}"])
     old = tmp_path / "old"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hamo_ray.rollout.worker import turn_seed
-from hamo_ray.steps import SEED_PURPOSES, stage_seed
+from hamo_ray.run.resources import SEED_PURPOSES, stage_seed
 from hamo_ray.types import TaskSpec
 
 

@@ -126,7 +126,7 @@ def test_budget_floor_as_a_share_of_the_stage(fraction, expected):
     from types import SimpleNamespace
 
     from hamo_ray.config import HamoConfig
-    from hamo_ray.stage import select
+    from hamo_ray.run.stage import select
 
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(4, 16))
@@ -299,7 +299,7 @@ def _stage_cards(tmp_path):
 
 def test_select_compares_whole_cards_by_default_and_keys_on_request(tmp_path):
     from hamo_ray.config import load_config
-    from hamo_ray.stage import select
+    from hamo_ray.run.stage import select
 
     trajs, store = _stage_cards(tmp_path)
     cfg = load_config(None, ["method.name=hamo", "selection.k=2"])
@@ -344,7 +344,7 @@ def test_resuming_a_run_started_before_selection_embed(tmp_path):
     import yaml
 
     from hamo_ray.config import ConfigError, load_config
-    from hamo_ray.run_folder import RunFolder
+    from hamo_ray.run.folder import RunFolder
 
     cfg = load_config(None, [f"run.root={tmp_path}", "run.id=old", "run.resume=true", "selection.embed=key"])
     folder = RunFolder(tmp_path / "old", cfg)

@@ -17,15 +17,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hamo_ray import stage as stage_mod
 from hamo_ray.config import MethodConfig, load_config
 from hamo_ray.memory.distill import card_from_trajectory
 from hamo_ray.memory.pipeline import WriteReport
 from hamo_ray.rollout.client import PolicySpec
-from hamo_ray.run_folder import RunFolder
-from hamo_ray.runtime import Endpoint
-from hamo_ray.stage import StageContext, initial_stage, run_stage
-from hamo_ray.steps import stage_seed
+from hamo_ray.run import stage as stage_mod
+from hamo_ray.run.folder import RunFolder
+from hamo_ray.run.resources import stage_seed
+from hamo_ray.run.services import Endpoint
+from hamo_ray.run.stage import StageContext, initial_stage, run_stage
 from hamo_ray.training.contracts import TrainResult
 from hamo_ray.types import StageResult, TaskSpec, Trajectory
 

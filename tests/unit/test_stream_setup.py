@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from hamo_ray.config import ConfigError, load_config
-from hamo_ray.run_folder import RunFolder
-from hamo_ray.stream import Stream, split_stages
+from hamo_ray.run.folder import RunFolder
+from hamo_ray.run.stream import Stream, split_stages
 from hamo_ray.types import StageResult, TaskSpec
 
 
@@ -34,7 +34,7 @@ def test_missing_model_path_is_named(tmp_path):
 
 def test_action_constraint_needs_a_domain_that_lists_its_actions(tmp_path):
     from hamo_ray.envs import get_domain
-    from hamo_ray.stream import check_action_constraint
+    from hamo_ray.run.stream import check_action_constraint
 
     with pytest.raises(ConfigError, match=r"rollout.constrain_actions: .*scienceworld"):
         Stream(_cfg(tmp_path, "rollout.constrain_actions=true"))  # ScienceWorld alone: nothing to constrain
@@ -171,7 +171,7 @@ def test_per_domain_train_and_test_counts(tmp_path):
 def test_eval_seen_adds_the_dev_split_beside_the_test_split(tmp_path):
     """``protocol.eval_seen``: a domain's dev tasks (ALFWorld's seen rooms) as ``<domain>@seen``, on the
     domain's own pool; a domain the stream does not run is named."""
-    from hamo_ray.steps import EnvPools
+    from hamo_ray.run.resources import EnvPools
 
     cross = "jobs/configs/tiny-cross.yaml"
     cfg = load_config(

@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from hamo_ray.config import ConfigError
-from hamo_ray.run_folder import RunFolder
-from hamo_ray.stream import Stream
+from hamo_ray.run.folder import RunFolder
+from hamo_ray.run.stream import Stream
 from hamo_ray.sweep import (
     aggregate,
     cells_to_run,
@@ -187,7 +187,7 @@ def test_episodes_csv_labels_domain_and_split_as_the_report(tmp_path):
     """ALFWorld's seen-room episodes (``protocol.eval_seen``: the dev games) count towards the report's
     ``alfworld@seen`` column, not ``alfworld``; the split column tells them apart too."""
     from hamo_ray.evaluation.metrics import SEEN
-    from hamo_ray.sweep_export import write_episodes_csv
+    from hamo_ray.sweep.export import write_episodes_csv
 
     sweep, cells, _ = _sweep(tmp_path)
     name, cfg = cells[0]
@@ -211,7 +211,7 @@ def test_episodes_csv_labels_domain_and_split_as_the_report(tmp_path):
 
 def test_a_committed_export_written_before_the_split_column_gets_the_reports_labels(tmp_path):
     """The committed cross-domain cells: their episodes.csv rebuilt labels the seen rooms as the report."""
-    from hamo_ray.sweep_export import write_episodes_csv
+    from hamo_ray.sweep.export import write_episodes_csv
 
     cell = next((ROOT / "results" / "smollm2-cross" / "cells").glob("hamo-*-s0"))
     copy = tmp_path / cell.name
@@ -237,7 +237,7 @@ def test_the_committed_smollm2_exports_were_made_with_key_selection(tmp_path):
     """The committed SmolLM2 cells were selected by key (before ``selection.embed`` existed): read so,
     they count as finished under a config that says ``selection.embed=key`` and are stale, naming that
     key alone, under the new default (a rerun selects by card, and the two are never aggregated)."""
-    from hamo_ray.sweep_export import cell_metrics
+    from hamo_ray.sweep.export import cell_metrics
 
     results = ROOT / "results" / "smollm2-within"
     exported = next((results / "cells").glob("hamo-*-s0"))
@@ -445,7 +445,7 @@ def test_the_job_runs_nothing_when_every_cell_is_exported(tmp_path, monkeypatch,
         raise AssertionError("a sweep with every cell exported must not run any")
 
     monkeypatch.setattr(job, "run_cells", no_ray)
-    monkeypatch.setattr("hamo_ray.cluster.start_ray", no_ray)
+    monkeypatch.setattr("hamo_ray.run.cluster.start_ray", no_ray)
     assert job.main(["--config", str(f)]) == 0
     out = capsys.readouterr().out
     assert "| base |" in out and "| hamo |" in out and f"results: {tmp_path / 'results'}" in out

@@ -1,4 +1,4 @@
-"""The sweep's scheduler (``hamo_ray.sweep_runner``) with fakes: no Ray, no endpoint, no stream.
+"""The sweep's scheduler (``hamo_ray.sweep.runner``) with fakes: no Ray, no endpoint, no stream.
 
 One endpoint per backbone shared by its cells, at most ``parallel`` cells at once, a failed cell's
 traceback in its folder while the others go on, a finished cell exported at once, every endpoint
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hamo_ray import sweep_runner
 from hamo_ray.config import ConfigError, HamoConfig, load_config
 from hamo_ray.sweep import cells_to_run, export_cell, export_dir, load_sweep, results_dir
+from hamo_ray.sweep import runner as sweep_runner
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "jobs" / "configs" / "tiny.yaml")
@@ -90,7 +90,7 @@ def _sweep(tmp_path: Path, **keys):
 @pytest.fixture
 def fakes(monkeypatch):
     """A fake ``ray``, fake endpoints (recorded) and a fake ``run_cell`` (the cell named ``bad`` raises)."""
-    import hamo_ray.runtime  # noqa: F401  (the real module, imported before ``ray`` is faked)
+    import hamo_ray.run.services  # noqa: F401  (the real module, imported before ``ray`` is faked)
 
     ray = FakeRay()
     monkeypatch.setitem(sys.modules, "ray", ray)
@@ -112,8 +112,8 @@ def fakes(monkeypatch):
             raise KeyError("x")
         return 2
 
-    monkeypatch.setattr("hamo_ray.runtime.start_shared_policy", start)
-    monkeypatch.setattr("hamo_ray.runtime.stop_shared_policy", stop)
+    monkeypatch.setattr("hamo_ray.run.serve_apps.start_shared_policy", start)
+    monkeypatch.setattr("hamo_ray.run.serve_apps.stop_shared_policy", stop)
     monkeypatch.setattr(sweep_runner, "run_cell", run_cell)
     return ray, log
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from hamo_ray.tracking import Tracker, check_backends, read_scalars
+from hamo_ray.run.tracking import Tracker, check_backends, read_scalars
 
 
 def test_tensorboard_events_round_trip(tmp_path):

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 def run_model_path(cfg: HamoConfig, run: Path) -> str:
     """The base model folder of ``run``: ``model.path``, else the embedded backbone's cache folder.
 
-    A GGUF file or a packaged model is the HF folder it was converted into (``hamo_ray.models``;
+    A GGUF file or a packaged model is the HF folder it was converted into (``hamo_ray.backbones.sources``;
     converted now if the cache lost it). For the embedded backbone, in this order: the folder the
     stream recorded in ``state.json``; the cache folder named by a hash of the settings
     (``backbone_path``); when code changes moved that name, the folder the run's adapters were trained
@@ -29,10 +29,10 @@ def run_model_path(cfg: HamoConfig, run: Path) -> str:
         ConfigError: the embedded backbone is in none of these places.
     """
     if cfg.model.path != "embedded":
-        from hamo_ray.models import resolve_model_path
+        from hamo_ray.backbones.sources import resolve_model_path
 
         return resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-    from hamo_ray.training.backbone import backbone_path
+    from hamo_ray.backbones.toy import backbone_path
 
     recorded = _recorded_backbone(run)
     if recorded is not None:
@@ -58,8 +58,8 @@ def _recorded_backbone(run: Path) -> str | None:
 def run_services(run: Path, cfg: HamoConfig, max_stage: int | None):
     """The ``Services`` that serve ``run`` (stages 1..``max_stage``; all when None): with the harness
     when the run has a memory."""
-    from hamo_ray.run_folder import RunFolder
-    from hamo_ray.runtime import Services
+    from hamo_ray.run.folder import RunFolder
+    from hamo_ray.run.services import Services
 
     folder = RunFolder(run, cfg)
     has_memory = Path(folder.memory_uri).exists() or "://" in folder.memory_uri

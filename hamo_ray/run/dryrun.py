@@ -54,7 +54,7 @@ def _tokenizer(cfg: HamoConfig, out: Callable[[str], None]):
 
     path = cfg.model.path
     if path == "embedded":
-        from hamo_ray.training.backbone import backbone_path
+        from hamo_ray.backbones.toy import backbone_path
 
         built = backbone_path(cfg)
         if not (built / "BUILD_DONE").exists():
@@ -65,7 +65,7 @@ def _tokenizer(cfg: HamoConfig, out: Callable[[str], None]):
             return None
         path = str(built)
     out(f"tokenizer: {path}")
-    from hamo_ray.models import is_model_source, load_source_tokenizer
+    from hamo_ray.backbones.sources import is_model_source, load_source_tokenizer
 
     if is_model_source(path):  # a GGUF source: its converted folder's tokenizer, else the GGUF's own
         return load_source_tokenizer(path, cfg.model.cache_dir)
@@ -172,7 +172,7 @@ def _render(cfg: HamoConfig, name: str, tokenizer, out: Callable[[str], None], r
 
 def _available(cfg: HamoConfig, out: Callable[[str], None]) -> dict[str, float]:
     """What the run would get: the cluster it would join (read-only), else a private local Ray."""
-    from hamo_ray.cluster import cluster_address, local_cpus
+    from hamo_ray.run.cluster import cluster_address, local_cpus
 
     address = cluster_address(cfg.ray)
     if address:
@@ -231,8 +231,8 @@ def _plan(cfg: HamoConfig, out: Callable[[str], None], report: DryRunReport) -> 
     out(f"rollout : {pools} pool(s) x {r.num_workers} actors x {r.cpus_per_worker} CPU -> {roll_cpu:g} CPU")
     need = {"GPU": serve_gpu + train_gpu, "CPU": serve_cpu + train_cpu + roll_cpu}
     have = _available(cfg, out)
-    if need["GPU"]:  # memory per GPU (hamo_ray.gpu_plan), on this machine's cards or 80 GiB ones
-        from hamo_ray.gpu_plan import format_plan, gpu_plan
+    if need["GPU"]:  # memory per GPU (hamo_ray.run.gpu_plan), on this machine's cards or 80 GiB ones
+        from hamo_ray.run.gpu_plan import format_plan, gpu_plan
 
         plan = gpu_plan(cfg, card_gib=_card_gib() or 80.0)
         out(format_plan(plan))
@@ -276,7 +276,7 @@ def dry_run(cfg: HamoConfig, out: Callable[[str], None] = print) -> DryRunReport
     """
     from hamo_ray.envs import get_domain
     from hamo_ray.envs.sources import check_data_sources
-    from hamo_ray.stream import check_action_constraint, check_model_path
+    from hamo_ray.run.stream import check_action_constraint, check_model_path
 
     report = DryRunReport()
     p = cfg.protocol

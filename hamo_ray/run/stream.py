@@ -4,9 +4,9 @@ For each stage t (docs/method.md, docs/architecture.md): collect expert trajecto
 into cards (Ray Data -> LanceDB) -> coverage selection -> replay -> experience-conditioned LoRA
 training (on the stream's kept Ray worker group, ``training.group``) -> publish the adapter under
 a new name and prove it live -> evaluate every domain's test set against the endpoint -> commit.
-The steps of a stage are ``hamo_ray.stage`` (``run_stage``); this module keeps the loop over the
+The steps of a stage are ``hamo_ray.run.stage`` (``run_stage``); this module keeps the loop over the
 stages, the resume and the commit. What runs beside the stages (Ray, the Serve apps, adapter
-publishing) belongs to ``hamo_ray.runtime``.
+publishing) belongs to ``hamo_ray.run.services``.
 
 Protocols: ``within_domain`` (one domain's train variations split into sample-disjoint stages,
 each covering every task type) and ``cross_domain`` (one stage per domain of ``protocol.order``).
@@ -27,12 +27,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from hamo_ray.cluster import check_serve_port, start_ray
 from hamo_ray.config import ConfigError, HamoConfig
-from hamo_ray.run_folder import RunFolder
-from hamo_ray.runtime import Endpoint, Services
-from hamo_ray.stage import StageContext, initial_stage, run_stage
-from hamo_ray.steps import EnvPools, TaskLists, resolve_backbone, split_stages
+from hamo_ray.run.cluster import check_serve_port, start_ray
+from hamo_ray.run.folder import RunFolder
+from hamo_ray.run.resources import EnvPools, TaskLists, resolve_backbone, split_stages
+from hamo_ray.run.services import Endpoint, Services
+from hamo_ray.run.stage import StageContext, initial_stage, run_stage
 from hamo_ray.training.group import KeptGroup
 from hamo_ray.types import StageResult, TaskSpec
 
@@ -44,13 +44,13 @@ logger = logging.getLogger(__name__)
 def check_model_path(path: str) -> None:
     """A local-looking model path must exist; a hub id (``org/name``) is left to ``from_pretrained``.
 
-    A packaged model name or a ``*.gguf`` file gets the cheap check of ``hamo_ray.models`` (package
+    A packaged model name or a ``*.gguf`` file gets the cheap check of ``hamo_ray.backbones.sources`` (package
     installed, file there, GGUF magic); it is converted into an HF folder only when the run starts.
 
     Raises:
         ConfigError: a missing path, an unknown packaged name, a missing package or a non-GGUF file.
     """
-    from hamo_ray.models import check_model_source
+    from hamo_ray.backbones.sources import check_model_source
 
     if path == "embedded":
         return
@@ -117,7 +117,7 @@ class Stream:
         self.services: Services | None = None  # set in run(): the Serve apps beside the stream
         self.endpoint: Endpoint | None = None
         self.model_path = ""
-        self.tracker = None  # set in run(): per-stage and per-training-step scalars (hamo_ray.tracking)
+        self.tracker = None  # set in run(): per-stage and per-training-step scalars (hamo_ray.run.tracking)
         # set in run(), closed when it ends: the training workers kept across stages (started on first use)
         self.train_group: KeptGroup | None = None
 
@@ -181,7 +181,7 @@ class Stream:
             logger.info("run %s already holds all its stages; nothing to do", self.folder.path)
             return done
         self._undo_uncommitted(done)
-        from hamo_ray.tracking import Tracker, stage_scalars
+        from hamo_ray.run.tracking import Tracker, stage_scalars
         from hamo_ray.training.driver import StageTrainer
 
         start_ray(self.cfg.ray)
@@ -203,7 +203,7 @@ class Stream:
                 services=self.services, trainer=StageTrainer(self.cfg, self.model_path, self.train_group),
                 tracker=tracker, tasks=self.tasks,
             )  # fmt: skip
-            for stage in todo:  # steps 1-7 (hamo_ray.stage), then the commit
+            for stage in todo:  # steps 1-7 (hamo_ray.run.stage), then the commit
                 if stage == 0:
                     result = initial_stage(ctx)
                 else:

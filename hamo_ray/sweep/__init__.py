@@ -52,18 +52,18 @@ else from its export, and is also written to ``<results>/`` (summary.json, table
 
 Where the parts live (every name is importable from here):
 
-- ``sweep_grid``: the sweep file (``SweepConfig``, ``load_sweep``) and its cells (``expand_cells``,
+- ``sweep.grid``: the sweep file (``SweepConfig``, ``load_sweep``) and its cells (``expand_cells``,
   ``setting_of``);
-- ``sweep_export``: the results folder (``export_cell``, ``exported_cell``, ``stale_keys``, ``cell_metrics``);
-- ``sweep_runner``: the scheduler (``prepare_cells``, ``export_finished``, ``cells_to_run``,
+- ``sweep.export``: the results folder (``export_cell``, ``exported_cell``, ``stale_keys``, ``cell_metrics``);
+- ``sweep.runner``: the scheduler (``prepare_cells``, ``export_finished``, ``cells_to_run``,
   ``start_cluster``, ``run_cells``, ``record_failure``); ``jobs/sweep.py`` is its command line;
-- ``sweep_stats``: the statistics over the cells' metrics (pure functions);
-- ``sweep_report``: the table, the plots and the report (``aggregate`` writes them).
+- ``sweep.stats``: the statistics over the cells' metrics (pure functions);
+- ``sweep.report``: the table, the plots and the report (``aggregate`` writes them).
 """
 
 from __future__ import annotations
 
-from hamo_ray.sweep_export import (
+from hamo_ray.sweep.export import (
     EPISODE_COLUMNS,
     cell_metrics,
     export_cell,
@@ -73,9 +73,9 @@ from hamo_ray.sweep_export import (
     save_export,
     stale_keys,
 )
-from hamo_ray.sweep_grid import GridConfig, SweepConfig, expand_cells, load_sweep, setting_of
-from hamo_ray.sweep_report import aggregate, report, table
-from hamo_ray.sweep_runner import (
+from hamo_ray.sweep.grid import GridConfig, SweepConfig, expand_cells, load_sweep, setting_of
+from hamo_ray.sweep.report import aggregate, report, table
+from hamo_ray.sweep.runner import (
     cells_to_run,
     export_finished,
     prepare_cells,
@@ -83,7 +83,7 @@ from hamo_ray.sweep_runner import (
     run_cells,
     start_cluster,
 )
-from hamo_ray.sweep_stats import SettingStats, method_summary, setting_stats, stage_average, sweep_stats
+from hamo_ray.sweep.stats import SettingStats, method_summary, setting_stats, stage_average, sweep_stats
 
 __all__ = [
     "EPISODE_COLUMNS",

@@ -82,7 +82,8 @@ def pretraining_experience(
     Returns:
         Trajectory id -> injected cards, for the chosen trajectories only.
     """
-    from hamo_ray.memory.pipeline import build_cards_dataset, training_experience, write_cards_report
+    from hamo_ray.memory.pipeline import build_cards_dataset, write_cards_report
+    from hamo_ray.memory.recall import training_experience
     from hamo_ray.memory.store import MemoryStore
 
     mcfg = cfg.memory.model_copy(update={"distiller": "outline", "storage_options": {}})
@@ -129,9 +130,9 @@ def ensure_backbone(cfg: HamoConfig, run_expert) -> Path:
 def _build(cfg: HamoConfig, run_expert, path: Path) -> Path:
     from transformers import AutoTokenizer
 
+    from hamo_ray.backbones.tiny_lm import init_qwen3, save_backbone, train_tokenizer
     from hamo_ray.envs import get_domain
     from hamo_ray.training.examples import build_examples, example_options
-    from hamo_ray.training.tiny_lm import init_qwen3, save_backbone, train_tokenizer
     from hamo_ray.training.trainer import train_model
 
     start = time.time()

@@ -1,6 +1,6 @@
 """What every stage of a run stands on: the seeds, the protocol's task lists, the rollout pools, the backbone.
 
-The steps of a stage themselves are ``hamo_ray.stage``; ``Stream`` sets these up once per run::
+The steps of a stage themselves are ``hamo_ray.run.stage``; ``Stream`` sets these up once per run::
 
     seed = stage_seed(cfg.run.seed, stage, "evaluate")   # one seed per (run seed, stage, purpose)
     tasks = TaskLists(cfg, domains)                       # tasks.stages[t - 1], tasks.test[domain]
@@ -14,7 +14,7 @@ import logging
 from functools import cached_property
 
 from hamo_ray.config import HamoConfig
-from hamo_ray.run_folder import PhaseClock, RunFolder
+from hamo_ray.run.folder import PhaseClock, RunFolder
 from hamo_ray.types import TaskSpec, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -121,15 +121,15 @@ class EnvPools:
 def resolve_backbone(cfg: HamoConfig, folder: RunFolder, pools: EnvPools) -> str:
     """``model.path`` as the HF folder (or hub id) that training and serving load.
 
-    A GGUF file or a packaged model is converted once into ``model.cache_dir`` (``hamo_ray.models``);
+    A GGUF file or a packaged model is converted once into ``model.cache_dir`` (``hamo_ray.backbones.sources``);
     the embedded backbone is built once per settings from expert episodes (cached).
     """
     if cfg.model.path != "embedded":
-        from hamo_ray.models import resolve_model_path
+        from hamo_ray.backbones.sources import resolve_model_path
 
         folder.backbone = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     else:
-        from hamo_ray.training.backbone import ensure_backbone
+        from hamo_ray.backbones.toy import ensure_backbone
 
         def experts(domain: str, tasks: list[TaskSpec]) -> list[Trajectory]:
             return pools(domain).run(tasks, None, desc=f"backbone experts ({domain})")

@@ -1,5 +1,5 @@
 """Everything that runs beside a stream on Ray: the Serve apps, adapter publishing (connecting to Ray
-and the pre-flight checks are ``hamo_ray.cluster``).
+and the pre-flight checks are ``hamo_ray.run.cluster``).
 
 One owner for the stream, ``jobs/serve.py`` and ``jobs/sweep.py``, so that they start Ray, name
 their Serve applications, guard their routes and publish adapters the same way::
@@ -39,14 +39,13 @@ from hamo_ray.naming import (
     cell_harness_names,
     claim_apps,
     memory_table,
-    release_apps,
     serve_names,
-    shared_serve_names,
     store_prefix,
     sweep_name,
 )
 from hamo_ray.rollout.client import PolicySpec
-from hamo_ray.run_folder import RunFolder
+from hamo_ray.run.folder import RunFolder
+from hamo_ray.run.serve_apps import cluster_id, delete_apps, start_serve
 from hamo_ray.serving.adapters import DIGEST_CHARS
 
 logger = logging.getLogger(__name__)
@@ -195,10 +194,10 @@ class Services:
         policy_app, policy_route, harness_app, route = self.app_names()
         wanted = [n for n in (harness_app if self.harness else None, policy_app) if n]
         # Refused before anything is deployed: an app of one of these names that this job did not create.
-        claim_apps(wanted, self.folder.path / APPS_FILE, _cluster_id(), serve.status().applications)
+        claim_apps(wanted, self.folder.path / APPS_FILE, cluster_id(), serve.status().applications)
         self._created = wanted
         if self.owns_endpoint:  # before any app: the HTTP proxy takes serve.host:port
-            _start_serve(scfg)
+            start_serve(scfg)
         if self.harness:
             self._harness_app = harness_app
             # The harness reads the run's own table (named after the run id in a shared memory.uri).
@@ -301,7 +300,7 @@ class Services:
                 from ray import serve
 
                 app, route = self._merged_names()
-                claim_apps([app], self.folder.path / APPS_FILE, _cluster_id(), serve.status().applications)
+                claim_apps([app], self.folder.path / APPS_FILE, cluster_id(), serve.status().applications)
                 self._created.append(app)
                 mcfg = scfg.model_copy(update={"app_name": app, "route_prefix": route})
                 self._merged = MergedApp(
@@ -397,101 +396,4 @@ class Services:
         it and no app is left."""
         created, self._created = self._created, []
         self._merged = None
-        _delete_apps(created, self.folder.path / APPS_FILE)
-
-
-_serve_started_here = False  # this process started Serve on its cluster (so it may stop it when idle)
-_shared_created: set[str] = set()  # the shared endpoints' apps this process deployed
-
-
-def _cluster_id() -> str:
-    """The connected cluster's GCS address: what the app record ties a deployment to."""
-    import ray
-
-    return str(ray.get_runtime_context().gcs_address)
-
-
-def _serve_running() -> bool:
-    """Whether Serve's controller runs on the connected cluster (starts nothing)."""
-    from ray import serve
-
-    try:
-        from ray.serve.context import _get_global_client  # private; serve.status() reads it the same way
-
-        return _get_global_client(raise_if_no_controller_running=False) is not None
-    except Exception:  # another Serve version
-        return bool(serve.status().applications)
-
-
-def _start_serve(scfg) -> None:
-    """Start Serve's proxy on ``serve.host:port`` unless Serve already runs on the cluster: then every app
-    shares its proxy (Serve keeps its own options), as two runs on one cluster do."""
-    from ray import serve
-
-    global _serve_started_here
-    if not _serve_running():
-        _serve_started_here = True
-    serve.start(
-        http_options={"host": scfg.host, "port": scfg.port},
-        logging_config={"enable_access_log": scfg.access_log},
-    )
-
-
-def _delete_apps(names: list[str], record_file: Path) -> None:
-    from ray import serve
-
-    try:
-        for name in names:
-            serve.delete(name)
-        release_apps(names, record_file)
-        if _serve_started_here and names and not serve.status().applications:
-            serve.shutdown()
-    except Exception:  # Serve already gone (the driver's Ray went down first)
-        logger.debug("serve shutdown failed", exc_info=True)
-
-
-def shared_serve_cfg(cfg: HamoConfig, index: int):
-    """The ``ServeConfig`` of a sweep's ``index``-th shared endpoint (one per backbone): named after the
-    sweep (``hamo_ray.naming.shared_serve_names``)."""
-    app, route = shared_serve_names(cfg.serve, sweep_name(cfg.run.root), index)
-    return cfg.serve.model_copy(update={"app_name": app, "route_prefix": route})
-
-
-def _sweep_record(cfg: HamoConfig) -> Path:
-    """Where a sweep records its shared endpoints' apps: its root (the cells' ``run.root`` is <root>/cells)."""
-    return Path(cfg.run.root).expanduser().resolve().parent / APPS_FILE
-
-
-def start_shared_policy(cfg: HamoConfig, model_path: str, index: int) -> str:
-    """Start a policy endpoint that several runs share (a sweep's cells with one backbone).
-
-    Adapters are published by absolute path inside ``run.root``; each run names its own
-    (``Services(shared_url=..., run_id=...)``).
-
-    Returns:
-        The endpoint's base URL.
-    """
-    from ray import serve
-
-    from hamo_ray.serving import start_policy_server
-
-    scfg = shared_serve_cfg(cfg, index)
-    claim_apps([scfg.app_name], _sweep_record(cfg), _cluster_id(), serve.status().applications)
-    _shared_created.add(scfg.app_name)
-    _start_serve(scfg)
-    return start_policy_server(
-        model_path,
-        cfg.model,
-        scfg,
-        str(Path(cfg.run.root).resolve()),
-        max_lora_rank=scfg.max_lora_rank,
-    )
-
-
-def stop_shared_policy(cfg: HamoConfig, index: int) -> None:
-    """Stop what :func:`start_shared_policy` started (its app; Serve too when this process started it and
-    no app is left)."""
-    app = shared_serve_cfg(cfg, index).app_name
-    if app in _shared_created:  # never one this process was refused (another sweep's)
-        _shared_created.discard(app)
-        _delete_apps([app], _sweep_record(cfg))
+        delete_apps(created, self.folder.path / APPS_FILE)

@@ -1,4 +1,4 @@
-"""Converting a GGUF file into a plain Hugging Face folder (``hamo_ray.models`` decides when and where).
+"""Converting a GGUF file into a plain Hugging Face folder (``hamo_ray.backbones.sources`` decides when and where).
 
 The GGUF model is loaded dequantised in float32, saved as safetensors with its tokenizer and a
 generation config whose eos is the tokenizer's, and the saved folder is verified: reloaded, it must

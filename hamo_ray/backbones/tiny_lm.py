@@ -7,7 +7,7 @@ through the same ``from_pretrained`` code as any hub model::
     model = init_qwen3(cfg, tok)
     save_backbone(model, tok, "/path/to/backbone")
 
-Training the backbone on held-out expert data is ``hamo_ray.training.backbone``.
+Training the backbone on held-out expert data is ``hamo_ray.backbones.toy``.
 """
 
 from __future__ import annotations

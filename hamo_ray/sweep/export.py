@@ -21,8 +21,8 @@ from typing import Any
 import yaml
 
 from hamo_ray.config import HamoConfig, env_sections, mask_secrets, upgrade_saved_config
-from hamo_ray.run_folder import committed_stage_count, compared
-from hamo_ray.sweep_grid import SweepConfig
+from hamo_ray.run.folder import committed_stage_count, compared
+from hamo_ray.sweep.grid import SweepConfig
 
 logger = logging.getLogger("hamo_ray.sweep")
 
@@ -200,7 +200,7 @@ def save_export(results: str | Path, name: str, run_folder: str | Path) -> Path 
 def stale_keys(exported: str | Path, cfg: HamoConfig) -> list[str]:
     """The dotted keys in which an export's config differs from ``cfg``, ignoring those a resume may
     change (the sections ``run``, ``ray``, ``serve``, ``rollout`` but ``rollout.constrain_actions``, as in
-    ``RunFolder``; ``run_folder.compared``).
+    ``RunFolder``; ``run.folder.compared``).
 
     Args:
         exported: an export folder (or its ``config.yaml``).

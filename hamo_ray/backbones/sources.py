@@ -1,6 +1,6 @@
 """Model sources for ``model.path`` beyond Hugging Face folders: GGUF files and packaged models.
 
-``model.path`` takes ``embedded`` (the project's tiny model, ``hamo_ray.training.backbone``), a Hugging
+``model.path`` takes ``embedded`` (the project's tiny model, ``hamo_ray.backbones.toy``), a Hugging
 Face folder or hub id, and the two sources of this module:
 
 - a GGUF file (``*.gguf``, any architecture transformers can read from GGUF);
@@ -39,8 +39,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from hamo_ray.config import ConfigError
-from hamo_ray.gguf_convert import (
+from hamo_ray.backbones.gguf import (
     CONVERTER_VERSION,
     _cannot_load,
     _check_disk,
@@ -49,6 +48,7 @@ from hamo_ray.gguf_convert import (
     _gguf_kwargs,
     _inspect,
 )
+from hamo_ray.config import ConfigError
 
 __all__ = [
     "CONVERTER_VERSION",

@@ -14,8 +14,8 @@ import traceback
 from pathlib import Path
 
 from hamo_ray.config import ConfigError, HamoConfig
-from hamo_ray.sweep_export import exported_cell, results_dir, same_file, save_export, stale_keys
-from hamo_ray.sweep_grid import SweepConfig, expand_cells
+from hamo_ray.sweep.export import exported_cell, results_dir, same_file, save_export, stale_keys
+from hamo_ray.sweep.grid import SweepConfig, expand_cells
 
 logger = logging.getLogger("hamo_ray.sweep")
 
@@ -30,8 +30,8 @@ def prepare_cells(sweep: SweepConfig, base: Path) -> tuple[list[tuple[str, HamoC
         ConfigError: a bad cell, a relative ``root`` or ``results`` in a Ray job, or a cell with
             ``serve.adapter_store`` (a shared endpoint loads adapters from the sweep root).
     """
-    from hamo_ray.cluster import check_cluster_paths
-    from hamo_ray.stream import Stream
+    from hamo_ray.run.cluster import check_cluster_paths
+    from hamo_ray.run.stream import Stream
 
     check_cluster_paths(sweep.root, "root")  # every cell's run folder lives under it
     if sweep.results is not None:  # the driver writes the exports: not into a temporary copy
@@ -103,7 +103,7 @@ def start_cluster(first: HamoConfig) -> None:
     Raises:
         ConfigError: the serve port is taken, or a bad ``ray`` setting.
     """
-    from hamo_ray.cluster import check_serve_port, start_ray
+    from hamo_ray.run.cluster import check_serve_port, start_ray
 
     try:
         start_ray(first.ray)
@@ -117,7 +117,7 @@ def start_cluster(first: HamoConfig) -> None:
 def run_cell(cfg_json: str, base_url: str) -> int:
     """One cell (a Ray task): a stream run against the shared endpoint; returns its committed stages."""
     from hamo_ray.logs import setup_logging
-    from hamo_ray.stream import Stream
+    from hamo_ray.run.stream import Stream
 
     setup_logging()
     return len(Stream(HamoConfig.model_validate_json(cfg_json)).run(base_url=base_url))
@@ -134,7 +134,7 @@ def run_cells(
     """
     import ray
 
-    from hamo_ray.runtime import start_shared_policy, stop_shared_policy
+    from hamo_ray.run.serve_apps import start_shared_policy, stop_shared_policy
 
     cfgs = dict(cells)
     servers: dict[str, str] = {}  # backbone path -> endpoint

@@ -9,7 +9,7 @@ Layout (``runs/<run_id>/``)::
     trajectories/stage-t.jsonl   the stage's expert trajectories
     episodes/stage-t-<domain>.jsonl  evaluation episodes
     adapters/stage-t/       peft adapters (loadable by vLLM and peft)
-    tensorboard/            per-stage and per-step scalars (hamo_ray.tracking)
+    tensorboard/            per-stage and per-step scalars (hamo_ray.run.tracking)
     results/scores.csv      one row per stage x domain (score, episodes, failed episodes: not in the score)
     results/metrics.json    averages, final scores, forgetting
 

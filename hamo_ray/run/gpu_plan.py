@@ -109,7 +109,7 @@ def shape_from_config(config: dict) -> ModelShape:
 
 def model_shape(cfg: HamoConfig) -> tuple[ModelShape | None, str]:
     """The backbone's shape and where it came from: ``model.path``'s config.json, else ``model.name``."""
-    from hamo_ray.models import is_model_source, source_config
+    from hamo_ray.backbones.sources import is_model_source, source_config
 
     if is_model_source(cfg.model.path):  # a GGUF source: its converted config.json, else its metadata
         try:

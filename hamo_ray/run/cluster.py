@@ -7,7 +7,7 @@ private local Ray advertising :func:`local_cpus` CPUs. A ``ray start`` on this m
 unasked: Ray's current-cluster file is per machine, and the cluster it names may be another user's (whose
 Serve apps, CPUs and port a run would then share). Before any work a job refuses a relative run root under ``ray job submit
 --working-dir`` (:func:`check_cluster_paths`) and, on a private Ray, a ``serve.port`` another process
-holds (:func:`check_serve_port`). What runs on the cluster (Serve apps, adapters) is ``hamo_ray.runtime``.
+holds (:func:`check_serve_port`). What runs on the cluster (Serve apps, adapters) is ``hamo_ray.run.services``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A sweep's aggregate: the cells' metrics summarised (``sweep_stats``), as a table, plots and a report.
+"""A sweep's aggregate: the cells' metrics summarised (``sweep.stats``), as a table, plots and a report.
 
 ``aggregate`` writes ``<root>/results/summary.json``, ``table.md`` and the plots, and ``<root>/report.md``
 (and a copy of each into the tracked results folder, when the sweep has one).
@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from hamo_ray.config import HamoConfig
-from hamo_ray.run_folder import atomic_write
-from hamo_ray.sweep_export import cell_metrics
-from hamo_ray.sweep_grid import setting_of
-from hamo_ray.sweep_stats import SettingStats, sweep_stats, table_values
+from hamo_ray.run.folder import atomic_write
+from hamo_ray.sweep.export import cell_metrics
+from hamo_ray.sweep.grid import setting_of
+from hamo_ray.sweep.stats import SettingStats, sweep_stats, table_values
 
 TABLE_HEADER = (
     "| setting | method | seeds | stage average | vs base (paired) | final total | first-domain retention "

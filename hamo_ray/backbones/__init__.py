@@ -1,0 +1,1 @@
+"""Backbones: model sources (packaged GGUF files, Hugging Face folders), GGUF conversion, and the embedded toy backbone."""
