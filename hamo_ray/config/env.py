@@ -132,12 +132,14 @@ def upgrade_saved_config(data: dict[str, Any]) -> dict[str, Any]:
     The flat ``env`` keys of the old layout move into their domain's section (``env.jvm_heap`` ->
     ``env.scienceworld.jvm_heap``, ``MOVED_ENV_KEYS``); a domain section the saved config holds gets the
     defaults of the keys it lacks (a key added after the config was saved holds its default, as the
-    resume check assumes for every key). Anything else is returned as it is. ``data`` is not modified;
+    resume check assumes for every key); a config in the old layout gets the default section of every
+    domain that never had flat keys (added after that layout: ``textcraft``, ``babyai``). Anything else is returned as it is. ``data`` is not modified;
     upgrading an upgraded config changes nothing.
     """
     if not isinstance(data, dict) or not isinstance(data.get("env"), dict):
         return data
     env = copy.deepcopy(data["env"])
+    old_layout = any(key in env for key in MOVED_ENV_KEYS)
     for old, new in MOVED_ENV_KEYS.items():
         if old not in env:
             continue
@@ -145,7 +147,10 @@ def upgrade_saved_config(data: dict[str, Any]) -> dict[str, Any]:
         domain, key = new.split(".")
         section = env.get(domain) if isinstance(env.get(domain), dict) else {}
         env[domain] = {**section, key: section.get(key, value)}
+    flat_domains = {new.split(".")[0] for new in MOVED_ENV_KEYS.values()}
     for name, model in env_sections().items():
+        if old_layout and name not in flat_domains and name not in env:
+            env[name] = {}  # a domain added after the old layout (no flat keys): its defaults
         if isinstance(env.get(name), dict):
             env[name] = {**model().model_dump(mode="json"), **env[name]}
     return {**data, "env": env}

@@ -42,6 +42,9 @@ initial observation. ALFWorld's first turn is split at ``Your task is to:``; an 
 line (AgentGym) is removed; the put command, recorded as ``put O in/on R`` (the grammar of the data's
 alfworld release), is written as the game's grammar has it (``move O to R`` in alfworld 0.4); the
 recorded observations are kept as they are. WebShop's goal is the page's ``Instruction:`` text.
+TextCraft (``textcraft_<N>``) and BabyAI (``babyai_<N>``) items map to the item N of their AgentGym
+server (``hamo_ray.envs.agentgym.domains``) and split their first turn as the server's reset does
+(the ``Goal:`` line; the ``Your goal:`` line).
 
 **Score**: the item's ``reward`` (0-1, ETO's WebShop data) x 100, or its ``score`` (0-100); without
 either the item counts as a success, 100 (expert data). Items scoring 0 are left out of training.
@@ -71,6 +74,7 @@ from hamo_ray.envs.expert_ids import (
     AGENTGYM_PREFIX,
     ExpertDataError,
     Item,
+    agentgym_server_task,
     alfworld_commands,
     alfworld_task,
     scienceworld_task,
@@ -82,7 +86,7 @@ __all__ = ["ExpertDataError", "load_expert_file", "split_react", "stage_experts"
 
 logger = logging.getLogger(__name__)
 
-DOMAINS = ("scienceworld", "alfworld", "webshop")
+DOMAINS = ("scienceworld", "alfworld", "webshop", "textcraft", "babyai")
 _ACK = {"ok", "okay", "ok!", "sure"}
 _OBS_PREFIX = re.compile(r"^\s*observation:\s*", re.IGNORECASE)
 _AVAILABLE = re.compile(r"\n?\s*AVAILABLE ACTIONS:.*\Z", re.DOTALL)
@@ -119,6 +123,13 @@ def _goal_and_obs(item: Item, domain: str, text: str, field: str) -> tuple[str, 
         text = re.sub(r"^\s*Task Description:\s*", "", text)
         goal, sep, rest = text.partition("This room is called")
         return goal.strip(), (sep + rest).strip()
+    if domain in ("textcraft", "babyai"):
+        from hamo_ray.envs.agentgym.protocol import babyai_first, textcraft_first
+
+        try:
+            return (textcraft_first if domain == "textcraft" else babyai_first)(_observation(text, domain))
+        except ValueError as err:
+            raise item.error(field, str(err)) from None
     if domain == "alfworld":
         room, sep, goal = _observation(text, domain).partition("Your task is to:")
         if not sep:
@@ -175,6 +186,8 @@ def parse_item(item: Item, domain: str, store=None) -> Trajectory | None:
         task = scienceworld_task(item)
     elif domain == "alfworld":
         task = alfworld_task(item, store)
+    elif domain in ("textcraft", "babyai"):
+        task = agentgym_server_task(item, domain)
     else:
         task = webshop_task(item)
     if task is None:

@@ -37,7 +37,10 @@ _ETO_SCIWORLD = (
 )  # fmt: skip
 # Task ids the AgentGym ScienceWorld server leaves out of its item list.
 _AGENTGYM_SCIWORLD_SKIP = {"5-1", "5-2", "9-1", "9-2", "9-3", "10-1", "10-2"}
-AGENTGYM_PREFIX = {"scienceworld": "sciworld", "alfworld": "alfworld", "webshop": "webshop"}
+AGENTGYM_PREFIX = {
+    "scienceworld": "sciworld", "alfworld": "alfworld", "webshop": "webshop",
+    "textcraft": "textcraft", "babyai": "babyai",
+}  # fmt: skip
 _ALFWORLD_SPLIT_DIRS = {"train": "train", "valid_seen": "dev", "valid_unseen": "test"}
 
 
@@ -58,6 +61,12 @@ def agentgym_sciworld_items() -> tuple[tuple[str, int], ...]:
             task = infer_task(name)
             items += [(task, v) for v in range(sum(len(r) for r in variation_splits(task).values()))]
     return tuple(items)
+
+
+@functools.cache
+def agentgym_sciworld_index() -> dict[tuple[str, int], int]:
+    """(task, variation) -> its ``data_idx`` on AgentGym's sciworld server."""
+    return {item: n for n, item in enumerate(agentgym_sciworld_items())}
 
 
 @functools.cache
@@ -171,3 +180,18 @@ def webshop_task(item: Item) -> TaskSpec:
         if n in goals:
             return TaskSpec(domain="webshop", task=REAL_TASK_TYPE, variation=n, split=split)
     raise item.error(field, f"{ident!r}: WebShop has goals 0-{max(REAL_SPLITS['train'])}")
+
+
+def agentgym_server_task(item: Item, domain: str) -> TaskSpec:
+    """``textcraft_<N>`` / ``babyai_<N>``: the task of item N of that AgentGym server (``agentgym.domains``)."""
+    from hamo_ray.envs.agentgym.domains import babyai_task, textcraft_task
+
+    field, ident = item.ident()
+    prefix = AGENTGYM_PREFIX[domain]
+    m = re.fullmatch(rf"{prefix}_(\d+)", ident)
+    if m is None:
+        raise item.error(field, f"{ident!r} is not AgentGym's '{prefix}_<N>'")
+    try:
+        return (textcraft_task if domain == "textcraft" else babyai_task)(int(m.group(1)))
+    except ValueError as err:
+        raise item.error(field, str(err)) from None

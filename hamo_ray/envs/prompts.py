@@ -208,11 +208,64 @@ TEXTWORLD = DomainPrompt(
     ],
 )
 
+TEXTCRAFT = DomainPrompt(
+    role=(
+        "You are crafting items in TextCraft, a text version of Minecraft's crafting. You are given "
+        "crafting commands and a goal item. Each turn you send one command; the game answers with what "
+        "happened. Craft the goal item."
+    ),
+    grammar=(
+        "Commands (name items exactly as the crafting commands do):\n"
+        "get N ITEM | craft N ITEM using N ITEM, N ITEM | inventory"
+    ),
+    tips=(
+        "Only base items can be got; everything else must be crafted with one of the given commands, "
+        "from items in your inventory, in the amounts the command names."
+    ),
+    example_goal="craft 1 wooden bowl.",
+    example_obs="Crafting commands:\ncraft 4 spruce planks using 1 spruce log\ncraft 1 wooden bowl using 3 spruce planks",
+    example=[
+        ExampleStep("Planks come from a log; get one.", "get 1 spruce log", "Got 1 spruce log"),
+        ExampleStep(
+            "Make planks.", "craft 4 spruce planks using 1 spruce log", "Crafted 4 minecraft:spruce_planks"
+        ),
+        ExampleStep(
+            "Three planks make the bowl.",
+            "craft 1 wooden bowl using 3 spruce planks",
+            "Crafted 1 minecraft:wooden_bowl",
+        ),
+    ],
+)
+
+BABYAI = DomainPrompt(
+    role=(
+        "You are an agent in BabyAI, a grid world described in text. Each turn you send one of the "
+        "available actions; the world answers with what you see. Reach the goal you are given."
+    ),
+    grammar=(
+        "Every observation ends with the available actions; send exactly one of them, e.g.:\n"
+        "turn left | turn right | move forward | go to OBJ N | pick up OBJ | toggle | check available actions"
+    ),
+    tips="Objects are named by colour and kind (red ball 1); go to an object before picking it up.",
+    example_goal="pick up the green key",
+    example_obs=(
+        "In front of you in this room, you can see several objects: a green key 2 steps in front of you.\n"
+        'Available actions: ["turn left", "turn right", "move forward", "go to green key 1", '
+        '"check available actions"]'
+    ),
+    example=[
+        ExampleStep("Walk to the key.", "go to green key 1", "You are in front of the green key."),
+        ExampleStep("Take it.", "pick up green key", "You picked up the green key.\n The task is completed."),
+    ],
+)
+
 DOMAIN_PROMPTS: dict[str, DomainPrompt] = {
     "scienceworld": SCIENCEWORLD,
     "alfworld": ALFWORLD,
     "webshop": WEBSHOP,
     "textworld": TEXTWORLD,
+    "textcraft": TEXTCRAFT,
+    "babyai": BABYAI,
 }
 
 

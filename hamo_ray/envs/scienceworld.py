@@ -67,7 +67,9 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
 
 from hamo_ray.config import ConfigError, ConfigSection, EnvConfig
 from hamo_ray.envs.base import Domain, StepResult, register_domain
@@ -84,6 +86,14 @@ class ScienceWorldConfig(ConfigSection):
 
     jvm_heap: str = "512m"  # one JVM per environment, heap capped (-Xmx)
     simplifications: str = "easy"  # the simplification preset passed to load()
+    # "inprocess": a simulator per environment here; "agentgym": every rollout through an AgentGym
+    # sciworld server at ``url`` (hamo_ray/envs/agentgym/), tasks as its data_idx (AgentGym's item list).
+    backend: Literal["inprocess", "agentgym"] = "inprocess"
+    url: str | None = None  # the server's base URL, for backend=agentgym
+    max_envs: int = Field(default=16, ge=1)  # environments open on the server from one process
+    timeout_s: float = Field(default=120.0, gt=0)  # one request to the server
+    # What the server loads tasks with (AgentGym's server: none); the local expert plays the same.
+    server_simplifications: str = ""
 
 
 # (train_end, dev_end, num_variations) per task, read from the scienceworld 1.2.3 jar:
@@ -302,31 +312,128 @@ class ScienceWorldEnv:
             return INVALID_ACTION_OBSERVATION
 
 
+# Tasks the AgentGym sciworld server leaves out of its item list (ids 5-x, 9-x, 10-x).
+AGENTGYM_UNLISTED = (
+    "grow-plant", "grow-fruit", "inclined-plane-determine-angle", "inclined-plane-friction-named-surfaces",
+    "inclined-plane-friction-unnamed-surfaces", "mendelian-genetics-known-plant", "mendelian-genetics-unknown-plant",
+)  # fmt: skip
+
+
+def agentgym_item(task: TaskSpec) -> int:
+    """The AgentGym sciworld server's ``data_idx`` of ``task`` (its place in ``agentgym_sciworld_items``).
+
+    Raises:
+        ValueError: the server does not list the task (named).
+    """
+    from hamo_ray.envs.expert_ids import agentgym_sciworld_index
+
+    index = agentgym_sciworld_index().get((task.task, task.variation))
+    if index is None:
+        raise ValueError(f"{task.id}: the AgentGym sciworld server does not list this task")
+    return index
+
+
+class LocalGold:
+    """Gold paths from a local simulator for tasks played on a server: loaded with the server's
+    simplifications, one JVM (started on first use, closed with the environment)."""
+
+    def __init__(self, cfg: ScienceWorldConfig) -> None:
+        self.cfg = cfg
+        self._sw = None
+
+    def __call__(self, task: TaskSpec) -> list[str]:
+        if self._sw is None:
+            self._sw = capped_env_class()(self.cfg.jvm_heap)
+        self._sw.load(task.task, task.variation, self.cfg.server_simplifications, generateGoldPath=True)
+        return list(self._sw.get_gold_action_sequence())
+
+    def close(self) -> None:
+        if self._sw is not None:
+            self._sw.close()
+            self._sw = None
+
+
 @register_domain("scienceworld", config=ScienceWorldConfig)
 class ScienceWorldDomain(Domain):
-    """The 30 ScienceWorld tasks with the package's train/dev/test variation splits."""
+    """The 30 ScienceWorld tasks with the package's train/dev/test variation splits.
+
+    With ``env.scienceworld.backend=agentgym`` every environment is one of the AgentGym sciworld server
+    at ``env.scienceworld.url`` (``hamo_ray.envs.agentgym``); tasks the server does not list are refused.
+
+    Raises:
+        ConfigError: ``backend=agentgym`` without ``env.scienceworld.url``.
+    """
+
+    def __init__(self, cfg: EnvConfig) -> None:
+        super().__init__(cfg)
+        self.sw: ScienceWorldConfig = cfg.scienceworld
+        if self.sw.backend == "agentgym" and not self.sw.url:
+            raise ConfigError("env.scienceworld.url: required when env.scienceworld.backend=agentgym")
 
     @property
     def env_memory_mb(self) -> int:  # type: ignore[override]
-        """One JVM per environment: the capped heap plus ~150 MB of JVM and py4j overhead (measured 350-470 MB)."""
+        """One JVM per environment: the capped heap plus ~150 MB of JVM and py4j overhead (measured 350-470 MB);
+        through a server, the client only, plus the local expert's JVM where it plays the experts."""
         heap = self.cfg.scienceworld.jvm_heap.lower()
         mb = int(heap[:-1]) * (1024 if heap.endswith("g") else 1) if heap[-1] in "mg" else 512
+        if self.sw.backend == "agentgym" and self.cfg.expert_source == "file":
+            return 20
         return mb + 150
 
     def task_types(self) -> list[str]:
         return task_names()
 
+    def check_task_types(self, task_types: list[str]) -> None:
+        """Unknown task types, and under ``backend=agentgym`` those the server does not list, are refused."""
+        super().check_task_types(task_types)
+        self._check_listed(task_types)
+
+    def _check_listed(self, task_types: list[str]) -> None:
+        if self.sw.backend != "agentgym":
+            return
+        unlisted = [t for t in task_types if t in AGENTGYM_UNLISTED]
+        if unlisted:
+            raise ConfigError(
+                f"env.task_types: the AgentGym sciworld server (env.scienceworld.backend=agentgym) does not "
+                f"list {unlisted}; it leaves out {', '.join(AGENTGYM_UNLISTED)}"
+            )
+
     def tasks(self, split: str, task_type: str, limit: int | None = None) -> list[TaskSpec]:
         """Variations of ``task_type`` in ``split``, in increasing variation order.
 
         Raises:
-            ConfigError: unknown split or task type.
+            ConfigError: unknown split or task type; under ``backend=agentgym``, a task type the server
+                does not list.
         """
         self.check_split(split)
+        self._check_listed([task_type])
         variations = variation_splits(task_type)[split]
         if limit is not None:
             variations = variations[:limit]
         return [TaskSpec(domain=self.name, task=task_type, variation=v, split=split) for v in variations]
 
-    def make_env(self) -> ScienceWorldEnv:
-        return ScienceWorldEnv(self.cfg)
+    def item_of(self, task: TaskSpec) -> int:
+        """The AgentGym sciworld server's ``data_idx`` of ``task`` (``agentgym_item``)."""
+        return agentgym_item(task)
+
+    def make_env(self):
+        if self.sw.backend == "inprocess":
+            return ScienceWorldEnv(self.cfg)
+        import importlib.util
+
+        from hamo_ray.envs.agentgym.client import AgentGymEnv
+        from hamo_ray.envs.agentgym.domains import file_expert
+        from hamo_ray.envs.agentgym.protocol import server_spec
+
+        expert = file_expert(self.cfg, self.name)
+        if expert is None and importlib.util.find_spec("scienceworld") is not None:
+            expert = LocalGold(self.sw)
+        return AgentGymEnv(
+            server_spec("sciworld"),
+            self.sw.url,
+            item_of=agentgym_item,
+            expert=expert,
+            max_envs=self.sw.max_envs,
+            setting="env.scienceworld.url",
+            timeout=self.sw.timeout_s,
+        )

@@ -8,7 +8,11 @@ only where the config names them.
 
 Per domain of the stream:
 
-- ScienceWorld: the simulator jar shipped in the ``scienceworld`` wheel, and a ``java`` on PATH.
+- ScienceWorld: the simulator jar shipped in the ``scienceworld`` wheel, and a ``java`` on PATH; with
+  ``env.scienceworld.backend=agentgym``: the server at ``env.scienceworld.url`` answers as AgentGym's
+  sciworld server, and ``rollout.num_workers x rollout.envs_per_worker`` fits ``env.scienceworld.max_envs``.
+- TextCraft, BabyAI: their AgentGym server (``env.<domain>.url``) answers as one, the pool fits
+  ``env.<domain>.max_envs``; experts come from files only.
 - ALFWorld: ``official`` games under ``env.alfworld.data`` / ``$ALFWORLD_DATA`` (the
   ``alfworld-download`` layout); ``generated`` games need nothing (made on first use).
 - WebShop: ``http``: the env server at ``env.webshop.url`` answers; ``text_env``: ``web_agent_site`` is
@@ -106,6 +110,42 @@ def _webshop(cfg: HamoConfig) -> list[Source]:
     return [Source("WebShop", "env.webshop.url", url, f"env server answers (HTTP {status})")]
 
 
+def agentgym_server(cfg: HamoConfig, domain: str, server: str, url: str | None) -> Source:
+    """An AgentGym server of ``domain``: it answers ``GET /`` with its own banner, and the rollout pool
+    fits its bound (``env.<domain>.max_envs``).
+
+    Raises:
+        DataSourceError: no URL, unreachable, another environment's server, or too many environments.
+    """
+    import httpx
+
+    from hamo_ray.envs.agentgym.protocol import server_spec
+
+    key = f"env.{domain}.url"
+    if not url:
+        raise DataSourceError(f"{key}: required (the AgentGym {server} server)")
+    spec = server_spec(server)
+    try:
+        response = httpx.get(url.rstrip("/") + "/", timeout=10.0)
+    except httpx.HTTPError as err:
+        raise DataSourceError(
+            f"{key}: the AgentGym {server} server {url} is unreachable: {type(err).__name__}: {err}"
+        ) from None
+    if f"environment {spec.banner}".lower() not in response.text.lower():
+        raise DataSourceError(
+            f"{key}: {url} is not an AgentGym {server} server (GET / answered HTTP "
+            f"{response.status_code}: {response.text[:120]!r}; expected 'This is environment {spec.banner}.')"
+        )
+    r = cfg.rollout
+    bound = cfg.env.section(domain).max_envs
+    if r.num_workers * r.envs_per_worker > bound:
+        raise DataSourceError(
+            f"env.{domain}.max_envs={bound}: rollout.num_workers x rollout.envs_per_worker = "
+            f"{r.num_workers} x {r.envs_per_worker} environments would be open on {url}"
+        )
+    return Source(f"AgentGym {server}", key, url, f"answers ({response.text.strip()[:60]})")
+
+
 def _experts(cfg: HamoConfig, domain: str, load: bool) -> Source:
     from hamo_ray.envs.expert_data import expert_file, load_expert_file
 
@@ -114,6 +154,20 @@ def _experts(cfg: HamoConfig, domain: str, load: bool) -> Source:
             raise DataSourceError(
                 f"env.expert_source=simulator: the real WebShop (env.webshop.backend={cfg.env.webshop.backend}) "
                 "has no expert; set env.expert_source=file with env.expert_files.webshop (AgentGym / ETO data)"
+            )
+        if domain in ("textcraft", "babyai"):
+            raise DataSourceError(
+                f"env.expert_source=simulator: the AgentGym {domain} server has no expert; set "
+                f"env.expert_source=file with env.expert_files.{domain} (AgentTraj items {domain}_<N>)"
+            )
+        if domain == "scienceworld" and cfg.env.scienceworld.backend == "agentgym":
+            if importlib.util.find_spec("scienceworld") is None:
+                raise DataSourceError(
+                    "env.expert_source=simulator: env.scienceworld.backend=agentgym takes its gold paths from a "
+                    "local simulator (pip install scienceworld), else set env.expert_source=file"
+                )
+            return Source(
+                f"{domain} experts", "env.expert_source", "simulator", "a local simulator's gold paths"
             )
         return Source(f"{domain} experts", "env.expert_source", "simulator", "the simulator's expert")
     path = Path(expert_file(cfg, domain)).expanduser()
@@ -149,11 +203,15 @@ def check_data_sources(cfg: HamoConfig, load_experts: bool = True) -> list[Sourc
     """
     found: list[Source] = []
     for domain in cfg.domains():
-        if domain == "scienceworld":
+        if domain == "scienceworld" and cfg.env.scienceworld.backend == "agentgym":
+            found.append(agentgym_server(cfg, domain, "sciworld", cfg.env.scienceworld.url))
+        elif domain == "scienceworld":
             found += _scienceworld()
         elif domain == "alfworld":
             found += _alfworld(cfg)
         elif domain == "webshop":
             found += _webshop(cfg)
+        elif domain in ("textcraft", "babyai"):
+            found.append(agentgym_server(cfg, domain, domain, cfg.env.section(domain).url))
         found.append(_experts(cfg, domain, load_experts))
     return found

@@ -366,6 +366,8 @@ def test_domain_system_prompts():
         "alfworld": ["take OBJ from RECEP", "move OBJ to RECEP", "heat OBJ with RECEP"],
         "webshop": ["search[KEYWORDS]", "click[BUTTON]"],
         "textworld": ["go north", "unlock THING with KEY"],
+        "textcraft": ["get N ITEM", "craft N ITEM using N ITEM, N ITEM"],
+        "babyai": ["go to OBJ N", "check available actions"],
     }
     assert set(DOMAIN_PROMPTS) == set(grammar)
     pcfg = PromptConfig(system_prompt=True, in_context_example=True, reply_format="react")
