@@ -156,33 +156,34 @@ class WebShopTextEnv(_RealWebShop):
 class WebShopHttpEnv(_RealWebShop):
     """One environment of a WebShop env server (AgentGym API, see the module docstring).
 
+    The transport is the shared AgentGym client's (``hamo_ray.envs.agentgym.client.ServerClient``):
+    ``{"error": ...}`` answers, 4xx and 5xx raise ``AgentGymError`` (an episode error), a refused
+    connection is retried; this class maps WebShop's own dialect (``env_idx``, ``session_id``).
+
     Args:
         url: the server's base URL, e.g. ``http://127.0.0.1:36001``.
         timeout: seconds per request (a search on the full catalogue can take a few seconds).
 
     Raises:
-        httpx.HTTPError: the server cannot be reached or answers with an error.
+        AgentGymError: the server answers with an error; httpx.ConnectError: it cannot be reached.
     """
 
     def __init__(self, url: str, timeout: float = 60.0) -> None:
         super().__init__()
-        import httpx
+        from hamo_ray.envs.agentgym.client import ServerClient
 
-        self._http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout)
+        self._server = ServerClient(url, timeout=timeout)
         try:
             self.env_idx = int(self._call("POST", "/create"))
         except Exception:
-            self._http.close()
+            self._server.close()
             raise
         logger.debug("webshop server %s: env %d created", url, self.env_idx)
 
     def _call(self, method: str, path: str, **body: Any) -> Any:
         if method == "GET":
-            response = self._http.get(path, params=body)
-        else:
-            response = self._http.post(path, json=body or None)
-        response.raise_for_status()
-        return response.json()
+            return self._server.call("GET", path, params=body)
+        return self._server.call("POST", path, body or None)
 
     def _reset(self, goal_index: int) -> str:
         return self._call("POST", "/reset", env_idx=self.env_idx, session_id=goal_index)[0]
@@ -202,11 +203,11 @@ class WebShopHttpEnv(_RealWebShop):
 
     def close(self) -> None:
         """Release the server-side environment (best effort) and the connection (idempotent)."""
-        if self._http.is_closed:
+        if self._server.closed:
             return
         try:
             self._call("POST", "/close", env_idx=self.env_idx)
         except Exception:  # noqa: BLE001 - the server may already be gone
             logger.debug("webshop server: closing env %d failed", self.env_idx, exc_info=True)
         finally:
-            self._http.close()
+            self._server.close()
