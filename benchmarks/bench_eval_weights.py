@@ -187,7 +187,8 @@ def episode_rows(cfg, model: str, adapter: Path, n: int, results: Results) -> li
     from hamo_ray.rollout.pool import EnvPool
     from hamo_ray.serving import publish_adapter, shutdown_policy_server, start_policy_server
     from hamo_ray.serving.client import hit_rate, prefix_cache_counters
-    from hamo_ray.serving.merged import MergedApp, merged_app_names, probe_agreement
+    from hamo_ray.serving.merged import merged_app_names
+    from hamo_ray.serving.merged_app import MergedApp, probe_agreement
     from hamo_ray.serving.objstore import folder_digest
 
     scfg = cfg.serve.model_copy(

@@ -46,7 +46,7 @@ def backbone_key(cfg: HamoConfig) -> str:
         "embedding_model": cfg.memory.embedding_model,
         "max_seq_len": cfg.train.max_seq_len,
         "example_format": cfg.train.example_format,
-        "prompt_budget": cfg.model.max_model_len - cfg.rollout.max_tokens,
+        "prompt_budget": cfg.prompt_budget,
         "seed": 0,
     }
     # The data behind a domain's experts, where a setting changes it (not in the key before: kept out for

@@ -105,6 +105,7 @@ __all__ = [
 # an export made before the key existed did the old thing, not the new default (section, key, old value).
 OLD_BEHAVIOUR: tuple[tuple[str, str, Any], ...] = (
     ("selection", "embed", "key"),  # selection compared the cards' keys before it compared whole cards
+    ("protocol", "seeds", "legacy"),  # select and replay seeded from run.seed * 1000 + stage before
 )
 
 
@@ -113,7 +114,7 @@ def upgrade_saved_config(data: dict[str, Any]) -> dict[str, Any]:
 
     The old flat ``env`` keys move into their domain's section (``hamo_ray.config.env``); a section that
     lacks a key of ``OLD_BEHAVIOUR`` gets the value that reproduces what the run did then
-    (``selection.embed: key``), not today's default. Any other key the saved config lacks holds its
+    (``selection.embed: key``, ``protocol.seeds: legacy``), not today's default. Any other key the saved config lacks holds its
     default (the resume check and the sweep's staleness check assume so). ``data`` is not modified;
     upgrading an upgraded config changes nothing.
     """
@@ -169,6 +170,12 @@ class HamoConfig(_Cfg):
                 f"protocol.eval_seen names domain(s) this stream does not run: {', '.join(extra)}"
             )
         return self
+
+    @property
+    def prompt_budget(self) -> int:
+        """Prompt tokens a turn may use, in training and at inference alike (the context rule's budget,
+        ``prompt.history``): ``model.max_model_len - rollout.max_tokens``. Its one owner."""
+        return self.model.max_model_len - self.rollout.max_tokens
 
     def _setting(self, key: str):
         section, name = key.split(".")

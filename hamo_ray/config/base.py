@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 
@@ -29,8 +32,6 @@ class ConfigKeyErrors(ValueError):
 
 def error_lines(err: ValidationError, prefix: str = "") -> list[str]:
     """One line per error of ``err``, each naming its dotted key (``prefix`` before the error's location)."""
-    from hamo_ray.config.secrets import mask_secrets
-
     lines = []
     for e in err.errors():
         cause = (e.get("ctx") or {}).get("error")
@@ -44,3 +45,51 @@ def error_lines(err: ValidationError, prefix: str = "") -> list[str]:
         else:  # the value as given, secrets masked (the input of a section holds its every key)
             lines.append(f"config key {loc!r}: {e['msg']} (got {mask_secrets(e.get('input'), parts)!r})")
     return lines
+
+
+# -- secrets masked in every output (hamo_ray.config.secrets says where secrets come from) ----------
+MASK = "***"
+# Secret settings: a value ("value") or a mapping whose values are secret ("mapping").
+SECRET_KEYS: dict[str, str] = {
+    "serve.api_key": "value",
+    "memory.llm_api_key": "value",
+    "memory.storage_options": "mapping",
+}
+# Values that stand for "no key" and are shown as they are.
+_NOT_SECRET = (None, "", "EMPTY")
+
+
+def _mask_value(kind: str, value: Any) -> Any:
+    if kind == "mapping":
+        return {k: MASK for k in value} if isinstance(value, Mapping) else (MASK if value else value)
+    return value if value in _NOT_SECRET else MASK
+
+
+def mask_secrets(data: Any, at: tuple[str, ...] = ()) -> Any:
+    """A copy of ``data`` (a config dump, or the part of one at dotted path ``at``) with secrets masked.
+
+    ``mask_secrets(cfg.model_dump(mode="json"))`` is what may be written or shown; ``at=("serve",)``
+    masks a dump of the serve section alone. Anything that is not a mapping where a section is
+    expected is returned as it is.
+    """
+    for dotted, kind in SECRET_KEYS.items():
+        path = tuple(dotted.split("."))
+        if path == at[: len(path)]:  # data is the secret itself, or lies inside it
+            return MASK if len(at) > len(path) else _mask_value(kind, data)
+    if not isinstance(data, Mapping):
+        return data
+    out = dict(data)
+    for dotted, kind in SECRET_KEYS.items():
+        path = tuple(dotted.split("."))
+        if path[: len(at)] != at or len(path) == len(at):
+            continue
+        node = out
+        for part in path[len(at) : -1]:  # copy each mapping on the way down
+            if not isinstance(node.get(part), Mapping):
+                break
+            node[part] = dict(node[part])
+            node = node[part]
+        else:
+            if path[-1] in node:
+                node[path[-1]] = _mask_value(kind, node[path[-1]])
+    return out

@@ -181,6 +181,11 @@ class ProtocolConfig(_Cfg):
     # ALFWorld's generated test games sit in held-out floor plans (unseen rooms); its dev games in the
     # train floor plans with other placements (seen rooms), like ALFWorld's valid_seen.
     eval_seen: list[str] = Field(default_factory=list)
+    # Where selection's tie-breaks and the replay sample draw their seeds. "stage": like every other random
+    # process of a stage, from run.resources.stage_seed(run.seed, stage, "select" | "replay"). "legacy":
+    # from run.seed * 1000 + stage, as runs before this key did (saved configs without the key read as
+    # legacy, so a resumed old run keeps its draws and its exported cells stay current).
+    seeds: Literal["stage", "legacy"] = "stage"
 
     @model_validator(mode="after")
     def _check(self) -> ProtocolConfig:

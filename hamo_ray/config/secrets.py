@@ -33,23 +33,16 @@ from typing import Any
 
 import yaml
 
+from hamo_ray.config.base import _NOT_SECRET, MASK, SECRET_KEYS, ConfigError, mask_secrets  # noqa: F401
+
 logger = logging.getLogger(__name__)
 
-MASK = "***"
-# Secret settings: a value ("value") or a mapping whose values are secret ("mapping").
-SECRET_KEYS: dict[str, str] = {
-    "serve.api_key": "value",
-    "memory.llm_api_key": "value",
-    "memory.storage_options": "mapping",
-}
 # The environment variables that supply each: the value itself, and a file holding it.
 SECRET_ENV: dict[str, tuple[str, str]] = {
     "serve.api_key": ("HAMO_API_KEY", "HAMO_API_KEY_FILE"),
     "memory.llm_api_key": ("HAMO_LLM_API_KEY", "HAMO_LLM_API_KEY_FILE"),
     "memory.storage_options": ("HAMO_STORAGE_OPTIONS", "HAMO_STORAGE_OPTIONS_FILE"),
 }
-# Values that stand for "no key" and are shown as they are.
-_NOT_SECRET = (None, "", "EMPTY")
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
 
 
@@ -67,42 +60,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
-
-
-def _mask_value(kind: str, value: Any) -> Any:
-    if kind == "mapping":
-        return {k: MASK for k in value} if isinstance(value, Mapping) else (MASK if value else value)
-    return value if value in _NOT_SECRET else MASK
-
-
-def mask_secrets(data: Any, at: tuple[str, ...] = ()) -> Any:
-    """A copy of ``data`` (a config dump, or the part of one at dotted path ``at``) with secrets masked.
-
-    ``mask_secrets(cfg.model_dump(mode="json"))`` is what may be written or shown; ``at=("serve",)``
-    masks a dump of the serve section alone. Anything that is not a mapping where a section is
-    expected is returned as it is.
-    """
-    for dotted, kind in SECRET_KEYS.items():
-        path = tuple(dotted.split("."))
-        if path == at[: len(path)]:  # data is the secret itself, or lies inside it
-            return MASK if len(at) > len(path) else _mask_value(kind, data)
-    if not isinstance(data, Mapping):
-        return data
-    out = dict(data)
-    for dotted, kind in SECRET_KEYS.items():
-        path = tuple(dotted.split("."))
-        if path[: len(at)] != at or len(path) == len(at):
-            continue
-        node = out
-        for part in path[len(at) : -1]:  # copy each mapping on the way down
-            if not isinstance(node.get(part), Mapping):
-                break
-            node[part] = dict(node[part])
-            node = node[part]
-        else:
-            if path[-1] in node:
-                node[path[-1]] = _mask_value(kind, node[path[-1]])
-    return out
 
 
 def mask_text(text: str, secrets: list[str] | tuple[str, ...]) -> str:
@@ -154,8 +111,6 @@ def strip_masked(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _read_secret_file(var: str, path: str) -> str:
-    from hamo_ray.config.base import ConfigError
-
     f = Path(path).expanduser()
     try:
         text = f.read_text()
@@ -175,8 +130,6 @@ def _read_secret_file(var: str, path: str) -> str:
 
 
 def _parse_options(var: str, text: str) -> dict[str, str]:
-    from hamo_ray.config.base import ConfigError
-
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
@@ -193,8 +146,6 @@ def from_environment(environ: Mapping[str, str] | None = None) -> dict[str, Any]
         ConfigError: a variable and its ``_FILE`` twin both set, an unreadable or empty file, or a
             storage-options value that is no mapping; the message names the variable, never the value.
     """
-    from hamo_ray.config.base import ConfigError
-
     env = os.environ if environ is None else environ
     found: dict[str, Any] = {}
     for dotted, (var, file_var) in SECRET_ENV.items():

@@ -121,3 +121,12 @@ def mean_interval(values: Sequence[float], confidence: float = 0.95) -> dict[str
     std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1))
     half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * std / math.sqrt(n)
     return {"n": n, "mean": mean, "std": std, "ci_low": mean - half, "ci_high": mean + half}
+
+
+def fmt(interval: dict, digits: int = 2, missing: str = "n/a") -> str:
+    """``mean ± half-width``, the mean alone with one seed, ``missing`` without a value."""
+    if interval["mean"] is None:
+        return missing
+    if interval["std"] is None:
+        return f"{interval['mean']:.{digits}f}"
+    return f"{interval['mean']:.{digits}f} ± {(interval['ci_high'] - interval['mean']):.{digits}f}"

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from hamo_ray.evaluation.metrics import mean_interval, scored
+from hamo_ray.evaluation.metrics import fmt, mean_interval, scored
 
 PAIRS = [
     ("hamo", "model_only"),
@@ -91,8 +91,6 @@ def stage_average(metrics: dict) -> float:
 
 
 def _fmt(r: dict) -> str:
-    from hamo_ray.sweep.report import fmt
-
     return fmt(r, digits=1, missing="-")
 
 

@@ -1,25 +1,13 @@
-"""The experience memory: a LanceDB table of cards and their embeddings.
+"""The experience memory: a LanceDB table of cards and their embeddings (docs/memory.md).
 
-The table schema is the ``Card`` type, a ``released`` flag and two fixed-size float32 columns
-(``hamo_ray.memory.schema``): ``vector``, the key's embedding, which search uses, and ``card_vector``,
-the whole card's, which coverage selection reads (:meth:`MemoryStore.vectors` with ``column``). A table
-created before ``card_vector`` existed keeps working without it (cards added to it are written without
-it); asking it for card vectors raises an error that says so. The store is append-only and idempotent
-on ``id``. Search (on ``vector``) is top-k by cosine similarity: exact (flat scan) while the table holds fewer than ``index_threshold`` rows, and
-through an ANN index (IVF_SQ by default: ``nprobes`` partitions, exact re-ranking of
-``refine_factor * k`` candidates) once :meth:`MemoryStore.ensure_index` has built it past the threshold. Released cards
-(docs/method.md step 6) stay stored and are skipped by search. ``uri`` is any LanceDB URI: a local folder
-(the embedded default), an object store (``s3://bucket/path``, credentials from the environment) or
-a LanceDB server. One process writes a table (the stream driver); any number read it::
-
-    store = MemoryStore("runs/x/memory", dim=384, index_threshold=50_000)
-    store.add(rows)                                        # dicts with Card fields + "vector"
-    store.ensure_index()                                   # the writer, after a stage's writes
-    hits = store.search(query_vectors, k=2, exclude_ids=[{"own-card-id"}])
-    store.release(["card-id"])                             # marks; search skips it from now on
-
-Reads check for new table versions every time, so a reader in another process sees rows that a
-writer added after the reader opened the store.
+The schema is the ``Card`` type, a ``released`` flag and two float32 vectors (``hamo_ray.memory.schema``):
+``vector``, the key's embedding, which search uses, and ``card_vector``, the whole card's, which coverage
+selection reads (:meth:`MemoryStore.vectors`; a table older than ``card_vector`` works without it, and
+asking it for card vectors says so). The store is append-only and idempotent on ``id``. Search is top-k
+by cosine: exact below ``index_threshold`` rows, then through the ANN index ``ensure_index`` builds
+(``hamo_ray.memory.index``). Released cards (docs/method.md step 6) stay stored and are skipped by
+search. ``uri``: a local folder, an object store (``s3://...``) or a LanceDB server. One process writes
+a table (the stream driver); any number read it, each read seeing the writer's latest version.
 """
 
 from __future__ import annotations
@@ -58,6 +46,13 @@ def _sql_list(values: Sequence[str]) -> str:
     return ", ".join("'" + v.replace("'", "''") + "'" for v in values)
 
 
+def _id_filters(ids: Sequence[str]):
+    """``id IN (...)`` filters over the distinct ``ids``, ``_ID_CHUNK`` at a time."""
+    unique = list(dict.fromkeys(ids))
+    for start in range(0, len(unique), _ID_CHUNK):
+        yield f"id IN ({_sql_list(unique[start : start + _ID_CHUNK])})"
+
+
 class MemoryStore:
     """Append-only card memory over one LanceDB table.
 
@@ -77,17 +72,10 @@ class MemoryStore:
     """
 
     def __init__(
-        self,
-        uri: str,
-        table: str = "cards",
-        dim: int | None = None,
-        *,
-        index_threshold: int = 50_000,
-        index_type: str = "ivf_sq",
-        nprobes: int = 16,
-        refine_factor: int = 10,
+        self, uri: str, table: str = "cards", dim: int | None = None, *, index_threshold: int = 50_000,
+        index_type: str = "ivf_sq", nprobes: int = 16, refine_factor: int = 10,
         storage_options: dict[str, str] | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         import lancedb
 
         self.uri = str(uri)
@@ -96,8 +84,7 @@ class MemoryStore:
         if index_type not in INDEX_TYPES:
             raise ValueError(f"memory index_type {index_type!r} is not one of {sorted(INDEX_TYPES)}")
         self.index_type = index_type
-        self.nprobes = nprobes
-        self.refine_factor = refine_factor
+        self.nprobes, self.refine_factor = nprobes, refine_factor
         # interval 0: every read checks for versions committed by other processes.
         self._db = lancedb.connect(
             self.uri, read_consistency_interval=timedelta(0), storage_options=storage_options or None
@@ -137,15 +124,10 @@ class MemoryStore:
         from hamo_ray.naming import memory_table
 
         return cls(
-            uri,
-            memory_table(mcfg, run_id),
-            dim,
-            index_threshold=mcfg.index_threshold,
-            index_type=mcfg.index_type,
-            nprobes=mcfg.index_nprobes,
-            refine_factor=mcfg.index_refine_factor,
+            uri, memory_table(mcfg, run_id), dim, index_threshold=mcfg.index_threshold,
+            index_type=mcfg.index_type, nprobes=mcfg.index_nprobes, refine_factor=mcfg.index_refine_factor,
             storage_options=dict(mcfg.storage_options),
-        )
+        )  # fmt: skip
 
     def _open(self) -> Any:
         """The LanceDB table, or None while it does not exist yet (another process may create it)."""
@@ -217,9 +199,7 @@ class MemoryStore:
     def existing_ids(self, ids: Sequence[str]) -> set[str]:
         """The subset of ``ids`` already stored (used to skip distilling them again)."""
         table, found = self._open(), set()
-        unique = list(dict.fromkeys(ids))
-        for start in range(0, len(unique) if table is not None else 0, _ID_CHUNK):
-            where = f"id IN ({_sql_list(unique[start : start + _ID_CHUNK])})"
+        for where in _id_filters(ids) if table is not None else ():
             found.update(table.search().where(where).select(["id"]).limit(None).to_arrow()["id"].to_pylist())
         return found
 
@@ -244,10 +224,12 @@ class MemoryStore:
             if self.indexed():
                 table.create_index(RELEASED, config=Bitmap(), replace=True)
         marked = 0
-        unique = list(dict.fromkeys(ids))
-        for start in range(0, len(unique), _ID_CHUNK):
-            where = f"id IN ({_sql_list(unique[start : start + _ID_CHUNK])}) AND {RELEASED} IS NOT TRUE"
-            marked += int(table.update(where=where, values={RELEASED: True}).rows_updated)
+        for where in _id_filters(ids):
+            marked += int(
+                table.update(
+                    where=f"{where} AND {RELEASED} IS NOT TRUE", values={RELEASED: True}
+                ).rows_updated
+            )
         logger.info("memory %s: %d cards released", self.uri, marked)
         return marked
 
@@ -263,10 +245,8 @@ class MemoryStore:
             return 0
         rows = table.search().where(f"{RELEASED} = true").select(["id"]).limit(None).to_arrow()
         undo = [i for i in rows["id"].to_pylist() if i not in keep]
-        for start in range(0, len(undo), _ID_CHUNK):
-            table.update(
-                where=f"id IN ({_sql_list(undo[start : start + _ID_CHUNK])})", values={RELEASED: False}
-            )
+        for where in _id_filters(undo):
+            table.update(where=where, values={RELEASED: False})
         if undo:
             logger.info(
                 "memory %s: %d cards released by an uncommitted stage un-released", self.uri, len(undo)
@@ -340,9 +320,7 @@ class MemoryStore:
                 f"{CARD_VECTOR!r} (the whole card's embedding), so selection cannot compare cards by their "
                 "text: set selection.embed=key (the cards' keys, as the table's run did) or start a new memory"
             )
-        unique = list(dict.fromkeys(ids))
-        for start in range(0, len(unique) if table is not None else 0, _ID_CHUNK):
-            where = f"id IN ({_sql_list(unique[start : start + _ID_CHUNK])})"
+        for where in _id_filters(ids) if table is not None else ():
             result = table.search().where(where).select(["id", column]).limit(None).to_arrow()
             values = result[column]
             if values.null_count:
@@ -352,18 +330,15 @@ class MemoryStore:
                     f"{' ...' if len(lacking) > 5 else ''}; set selection.embed=key or start a new memory"
                 )
             found.update(zip(result["id"].to_pylist(), as_matrix(values), strict=True))
-        missing = [i for i in unique if i not in found]
+        missing = [i for i in dict.fromkeys(ids) if i not in found]
         if missing:
             raise KeyError(f"cards not in memory: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         return np.stack([found[i] for i in ids]) if ids else np.zeros((0, self.dim or 0), dtype=np.float32)
 
     def search(
-        self,
-        query_vectors: np.ndarray,
-        k: int,
-        exclude_ids: Sequence[set[str]] | None = None,
+        self, query_vectors: np.ndarray, k: int, exclude_ids: Sequence[set[str]] | None = None,
         max_stage: int | None = None,
-    ) -> list[list[tuple[Card, float]]]:
+    ) -> list[list[tuple[Card, float]]]:  # fmt: skip
         """Top-k cards by cosine similarity for each query vector (released cards skipped).
 
         Exact below the index threshold; through the ANN index (with exact re-ranking) above it.

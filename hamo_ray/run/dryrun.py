@@ -152,7 +152,7 @@ def _render(cfg: HamoConfig, name: str, tokenizer, out: Callable[[str], None], r
             for msg in last:
                 out(f"[{msg['role']}] {msg['content']}")
             out(f"[target] {reply}")
-    budget = cfg.model.max_model_len - cfg.rollout.max_tokens
+    budget = cfg.prompt_budget
     if tokenizer is not None:
         ids = encode_chat(tokenizer, messages, True, kwargs)
         counts["infer"] = len(ids)

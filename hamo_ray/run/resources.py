@@ -20,7 +20,7 @@ from hamo_ray.types import TaskSpec, Trajectory
 logger = logging.getLogger(__name__)
 
 
-SEED_PURPOSES = ("evaluate", "train", "explore", "dpo", "release")
+SEED_PURPOSES = ("evaluate", "train", "explore", "dpo", "release", "select", "replay")
 
 
 def stage_seed(run_seed: int, stage: int, purpose: str) -> int:
@@ -39,6 +39,15 @@ def stage_seed(run_seed: int, stage: int, purpose: str) -> int:
     if purpose not in SEED_PURPOSES:
         raise ValueError(f"unknown seed purpose {purpose!r} (one of {', '.join(SEED_PURPOSES)})")
     return zlib.crc32(f"hamo/{run_seed}/{stage}/{purpose}".encode()) & 0x7FFFFFFF
+
+
+def process_seed(cfg: HamoConfig, stage: int, purpose: str) -> int:
+    """The seed of the run's ``purpose`` process at ``stage``: :func:`stage_seed`, except selection's and
+    replay's under ``protocol.seeds: legacy`` (``run.seed * 1000 + stage``, what runs before that key
+    drew, so an old run resumes with its own draws)."""
+    if cfg.protocol.seeds == "legacy" and purpose in ("select", "replay"):
+        return cfg.run.seed * 1000 + stage
+    return stage_seed(cfg.run.seed, stage, purpose)
 
 
 def split_stages(tasks_by_type: dict[str, list[TaskSpec]], num_stages: int) -> list[list[TaskSpec]]:

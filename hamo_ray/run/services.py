@@ -97,7 +97,7 @@ class Endpoint:
             api_key=self.api_key,
             chat_template_kwargs=cfg.model.template_kwargs(),
             tokenizer=self.tokenizer,
-            prompt_budget=cfg.model.max_model_len - cfg.rollout.max_tokens,
+            prompt_budget=cfg.prompt_budget,
             constrain_actions=cfg.rollout.constrain_actions,
         )
 
@@ -288,7 +288,7 @@ class Services:
         through LoRA); else, or when any of that fails (logged), the run's endpoint, which serves
         ``name`` through LoRA. Either way the rollouts ask for ``name``.
         """
-        from hamo_ray.serving.merged import MergedApp, probe_agreement
+        from hamo_ray.serving.merged_app import MergedApp, probe_agreement
 
         if self.endpoint is None:
             raise RuntimeError("Services.acting before Services.start")

@@ -38,7 +38,7 @@ from hamo_ray.memory.recall import training_experience
 from hamo_ray.run.acting import evaluate_policy, explore, release
 from hamo_ray.run.context import Adapter, Release, StageContext
 from hamo_ray.run.folder import PhaseClock, RunFolder
-from hamo_ray.run.resources import stage_seed
+from hamo_ray.run.resources import process_seed, stage_seed
 from hamo_ray.selection import sample_replay, select_anchors
 from hamo_ray.types import StageResult, Trajectory
 
@@ -170,7 +170,7 @@ def select(
     Cards are compared by the embedding ``selection.embed`` names: ``card``, the whole card (outline
     included; ``card_vector``), or ``key``, its retrieval key (``vector``). A floor above the greedy
     saturation point is filled round-robin over the trajectories' task types, ties drawn with the
-    stage's seed (``run.seed * 1000 + stage``).
+    stage's ``select`` seed (``run.resources.process_seed``).
 
     Returns:
         The anchors and the budget (how many).
@@ -180,7 +180,7 @@ def select(
     vectors = store.vectors([t.card_id for t in trajs], column) if use else None
     floor = max(sc.min_budget, math.ceil(sc.min_fraction * len(trajs)))
     types = [(t.task.domain, t.task.task) for t in trajs]
-    seed = cfg.run.seed * 1000 + stage
+    seed = process_seed(cfg, stage, "select")
     return select_anchors(trajs, vectors, sc.k, floor, sc.batch_size, groups=types, seed=seed)
 
 
@@ -190,7 +190,7 @@ def replay(
     """Step 4: ``replay.ratio`` x ``n`` anchors of earlier stages (none without training)."""
     if not (cfg.method.replay and cfg.method.train):
         return []
-    return sample_replay(folder.anchors(done), n, cfg.replay.ratio, seed=cfg.run.seed * 1000 + stage)
+    return sample_replay(folder.anchors(done), n, cfg.replay.ratio, seed=process_seed(cfg, stage, "replay"))
 
 
 def train(

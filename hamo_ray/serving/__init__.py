@@ -1,6 +1,6 @@
 """The policy endpoint: Ray Serve replicas serving vLLM's own OpenAI app, LoRA adapters published at run time.
 
-Driver side (see ``client``)::
+Driver side (``deploy`` starts it, ``client`` talks to it)::
 
     from hamo_ray.serving import publish_adapter, shutdown_policy_server, start_policy_server
 
@@ -16,10 +16,9 @@ from hamo_ray.serving.client import (
     base_url,
     direct_url,
     publish_adapter,
-    shutdown_policy_server,
-    start_policy_server,
     wait_healthy,
 )
+from hamo_ray.serving.deploy import shutdown_policy_server, start_policy_server
 
 __all__ = [
     "AdapterNotLiveError",

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 REGISTRY_FILE = "served_adapters.json"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
 DIGEST_CHARS = 12  # hex digits of the content hash a stage adapter's name ends with
-_DIGEST = re.compile(rf":([0-9a-f]{{{DIGEST_CHARS}}})$")
+DIGEST_RE = re.compile(rf":([0-9a-f]{{{DIGEST_CHARS}}})$")
 
 
 class AdapterError(Exception):
@@ -99,7 +99,7 @@ class AdapterRegistry:
                 f"lora_name {name!r} is invalid: use [A-Za-z0-9._:-], at most 128 characters, not the base name",
             )
         resolved = self.resolve(path)
-        if (named := _DIGEST.search(name)) and not folder_digest(resolved).startswith(named.group(1)):
+        if (named := DIGEST_RE.search(name)) and not folder_digest(resolved).startswith(named.group(1)):
             raise AdapterError(
                 409,
                 f"lora_name {name!r} names weights with digest {named.group(1)}, but {str(resolved)!r} now "

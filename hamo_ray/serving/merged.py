@@ -35,12 +35,8 @@ import os
 import shutil
 import tempfile
 import time
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 logger = logging.getLogger(__name__)
 
@@ -221,135 +217,11 @@ def prepare_merged(registry, base: str | Path, *, name: str, path: str, slot: st
         AdapterError: the registry refuses ``name``/``path``.
         MergedWeightsError: the merged folder holds other weights than ``name`` names.
     """
-    from hamo_ray.serving.adapters import _DIGEST
+    from hamo_ray.serving.adapters import DIGEST_RE
 
     folder, _ = registry.check(name, path)
     out = merge_on_node(base, folder, slot=slot)
     digest = (read_marker(out) or {}).get("adapter_digest", "")
-    if (named := _DIGEST.search(name)) and not digest.startswith(named.group(1)):
+    if (named := DIGEST_RE.search(name)) and not digest.startswith(named.group(1)):
         raise MergedWeightsError(f"{out} holds the merge of adapter digest {digest[:12]!r}, not {name!r}")
     return str(out)
-
-
-# -- the driver side --------------------------------------------------------------------------------
-
-
-def check_serves(url: str, name: str, *, api_key: str | None = None, timeout_s: float = 60.0) -> None:
-    """Raise MergedWeightsError unless the engine at ``url`` states it holds the weights named ``name``:
-    ``/health`` says ``model == name`` and ``/v1/models`` lists exactly ``name``."""
-    from hamo_ray.serving.client import auth_headers
-
-    headers = auth_headers(api_key)
-    try:
-        health = httpx.get(f"{url}/health", headers=headers, timeout=timeout_s)
-        models = httpx.get(f"{url}/v1/models", headers=headers, timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        raise MergedWeightsError(f"merged engine at {url} unreachable: {exc!r}") from exc
-    if health.status_code != 200 or models.status_code != 200:
-        raise MergedWeightsError(
-            f"merged engine at {url}: /health {health.status_code}, /v1/models {models.status_code}"
-        )
-    served = health.json().get("model")
-    ids = sorted(m["id"] for m in models.json().get("data", []))
-    if served != name or ids != [name]:
-        raise MergedWeightsError(
-            f"the merged engine at {url} serves {served!r} (models {ids}), not {name!r}: stale weights"
-        )
-
-
-def probe_agreement(
-    url: str, name: str, merged_url: str, prompt: str, tokens: int, *, api_key: str | None = None
-) -> dict[str, Any]:
-    """A greedy probe of ``name`` through LoRA (``url``) and merged (``merged_url``): ``{"tokens_equal",
-    "max_logprob_diff" (over the common prefix), "agree" (tokens equal or diff <= AGREEMENT_TOLERANCE)}``."""
-    from hamo_ray.serving.client import auth_headers, greedy_probe
-
-    with httpx.Client(timeout=600.0, headers=auth_headers(api_key)) as client:
-        lora = greedy_probe(client, url, name, prompt, tokens)
-        merged = greedy_probe(client, merged_url, name, prompt, tokens)
-    n = 0
-    while n < min(len(lora["tokens"]), len(merged["tokens"])) and lora["tokens"][n] == merged["tokens"][n]:
-        n += 1
-    diffs = [abs(a - b) for a, b in zip(lora["logprobs"][: n + 1], merged["logprobs"][: n + 1], strict=False)]
-    equal = lora["tokens"] == merged["tokens"]
-    max_diff = max(diffs, default=0.0)
-    return {
-        "tokens_equal": equal,
-        "max_logprob_diff": max_diff,
-        "agree": equal or max_diff <= AGREEMENT_TOLERANCE,
-        "lora_text": lora["text"],
-        "merged_text": merged["text"],
-    }
-
-
-@dataclass
-class MergedApp:
-    """One run's merged-weights policy app (at most one adapter at a time), deployed by the driver.
-
-    ``ensure(name, path)`` serves adapter ``name`` (``path`` as publishing gave it: inside the adapter
-    root) merged, replacing whatever the app served, and checks the engine states ``name``; ``stop()``
-    deletes the app. Returns ``(url, direct_url)``: Serve's route and the replica's own port.
-    """
-
-    model_path: str
-    model_cfg: Any  # ModelConfig
-    serve_cfg: Any  # ServeConfig: app_name/route_prefix are the merged app's
-    adapter_root: str
-    max_lora_rank: int
-    timeout_s: float = 600.0
-    serving: str | None = None  # the adapter name the app was deployed for
-    url: str | None = None
-    direct: str | None = None
-
-    def ensure(self, name: str, path: str) -> tuple[str, str | None]:
-        if self.serving == name and self.url is not None:
-            try:
-                check_serves(self.url, name, api_key=self.serve_cfg.api_key)
-                return self.url, self.direct
-            except MergedWeightsError as exc:  # replaced replica, or someone else's app: redeploy
-                logger.warning("%s; deploying it again", exc)
-        self.deploy(name, path)
-        return self.url, self.direct
-
-    def deploy(self, name: str, path: str) -> None:
-        from ray import serve
-
-        from hamo_ray.serving.app import build_app
-        from hamo_ray.serving.client import base_url, direct_url, running_http, wait_healthy
-
-        t0, scfg, instance = time.monotonic(), self.serve_cfg, uuid.uuid4().hex
-        self.serving = None
-        app = build_app(
-            self.model_path,
-            self.model_cfg.model_copy(update={"name": name}),
-            scfg,
-            self.adapter_root,
-            self.max_lora_rank,
-            instance,
-            merged={"name": name, "path": str(path), "slot": scfg.app_name},
-        )
-        serve.run(
-            app,
-            name=scfg.app_name,
-            route_prefix=scfg.route_prefix,
-            blocking=False,
-            logging_config={"enable_access_log": scfg.access_log},
-        )
-        url = base_url(running_http(scfg))
-        try:
-            wait_healthy(url, self.timeout_s, instance, api_key=scfg.api_key)
-        except Exception as exc:
-            raise MergedWeightsError(f"merged engine for {name!r} did not come up: {exc}") from exc
-        check_serves(url, name, api_key=scfg.api_key)
-        self.url, self.serving = url, name
-        self.direct = direct_url(url, api_key=scfg.api_key) if scfg.num_replicas == 1 else None
-        logger.info("merged weights of %r served at %s after %.1fs", name, url, time.monotonic() - t0)
-
-    def stop(self) -> None:
-        from ray import serve
-
-        self.serving = self.url = self.direct = None
-        try:
-            serve.delete(self.serve_cfg.app_name)
-        except Exception:  # Serve gone
-            logger.debug("deleting the merged app failed", exc_info=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hamo_ray.config import HamoConfig
+from hamo_ray.evaluation.metrics import fmt
 from hamo_ray.run.folder import atomic_write
 from hamo_ray.sweep.export import cell_metrics
 from hamo_ray.sweep.grid import setting_of
@@ -45,15 +46,6 @@ def collect(
         metrics["seed"] = cfg.run.seed  # pairs each method's run with the base run of the same seed
         groups.setdefault(setting_of(cfg, vary), {}).setdefault(cfg.method.name, []).append(metrics)
     return groups
-
-
-def fmt(interval: dict, digits: int = 2, missing: str = "n/a") -> str:
-    """``mean ± half-width``, the mean alone with one seed, ``missing`` without a value."""
-    if interval["mean"] is None:
-        return missing
-    if interval["std"] is None:
-        return f"{interval['mean']:.{digits}f}"
-    return f"{interval['mean']:.{digits}f} ± {(interval['ci_high'] - interval['mean']):.{digits}f}"
 
 
 def table(stats: dict[str, SettingStats]) -> str:

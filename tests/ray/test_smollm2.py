@@ -278,14 +278,8 @@ def test_merged_weights_answer_as_the_adapter_and_the_base_stays_the_base(server
 
     from hamo_ray.serving import publish_adapter
     from hamo_ray.serving.client import greedy_probe
-    from hamo_ray.serving.merged import (
-        AGREEMENT_TOLERANCE,
-        MergedApp,
-        MergedWeightsError,
-        check_serves,
-        merged_app_names,
-        probe_agreement,
-    )
+    from hamo_ray.serving.merged import AGREEMENT_TOLERANCE, MergedWeightsError, merged_app_names
+    from hamo_ray.serving.merged_app import MergedApp, check_serves, probe_agreement
     from hamo_ray.serving.objstore import folder_digest
 
     path = _random_adapter(folder, adapter_root / "stage-merged")

@@ -13,6 +13,7 @@ from hamo_ray.config import load_config
 from hamo_ray.run.folder import RunFolder
 from hamo_ray.run.services import Endpoint, Services
 from hamo_ray.serving import merged as M
+from hamo_ray.serving import merged_app as MA
 from hamo_ray.serving.adapters import AdapterError, AdapterRegistry
 from hamo_ray.serving.engine import engine_kwargs
 from hamo_ray.serving.objstore import folder_digest
@@ -161,20 +162,20 @@ def _serving(monkeypatch, model, ids, status=200):
 
 def test_the_engine_must_state_the_adapters_name(monkeypatch):
     _serving(monkeypatch, "stage-2:aaaaaaaaaaaa", ["stage-2:aaaaaaaaaaaa"])
-    M.check_serves("http://m", "stage-2:aaaaaaaaaaaa")
+    MA.check_serves("http://m", "stage-2:aaaaaaaaaaaa")
     with pytest.raises(M.MergedWeightsError, match="stale"):  # the first attempt's weights
-        M.check_serves("http://m", "stage-2:bbbbbbbbbbbb")
+        MA.check_serves("http://m", "stage-2:bbbbbbbbbbbb")
     _serving(monkeypatch, "stage-2:aaaaaaaaaaaa", ["stage-2:aaaaaaaaaaaa", "base"])  # a LoRA endpoint
     with pytest.raises(M.MergedWeightsError):
-        M.check_serves("http://m", "stage-2:aaaaaaaaaaaa")
+        MA.check_serves("http://m", "stage-2:aaaaaaaaaaaa")
     _serving(monkeypatch, "stage-2:aaaaaaaaaaaa", ["stage-2:aaaaaaaaaaaa"], status=503)
     with pytest.raises(M.MergedWeightsError, match="503"):
-        M.check_serves("http://m", "stage-2:aaaaaaaaaaaa")
+        MA.check_serves("http://m", "stage-2:aaaaaaaaaaaa")
 
 
 def test_the_merged_app_is_redeployed_for_other_weights(monkeypatch):
     deployed, states = [], {}
-    app = M.MergedApp("/base", None, SimpleNamespace(api_key=None), "/adapters", 16)
+    app = MA.MergedApp("/base", None, SimpleNamespace(api_key=None), "/adapters", 16)
 
     def deploy(name, path):
         deployed.append(name)
@@ -186,7 +187,7 @@ def test_the_merged_app_is_redeployed_for_other_weights(monkeypatch):
             raise M.MergedWeightsError("stale")
 
     monkeypatch.setattr(app, "deploy", deploy)
-    monkeypatch.setattr(M, "check_serves", check)
+    monkeypatch.setattr(MA, "check_serves", check)
     assert app.ensure("stage-1:a", "p1") == ("http://m", "http://direct")
     app.ensure("stage-1:a", "p1")  # still serving it: no new engine
     app.ensure("stage-2:b", "p2")
@@ -229,7 +230,7 @@ class _FakeMerged:
 
 
 def test_acting_picks_merged_weights_only_for_a_published_adapter(tmp_path, monkeypatch):
-    monkeypatch.setattr(M, "probe_agreement", lambda *a, **k: {"agree": True})
+    monkeypatch.setattr(MA, "probe_agreement", lambda *a, **k: {"agree": True})
     services = _services(tmp_path, "serve.eval_weights=merged")
     services._merged = fake = _FakeMerged()
     assert services.acting(None) is services.endpoint  # the base model
@@ -253,7 +254,7 @@ def test_acting_falls_back_to_lora_when_merged_weights_fail_or_disagree(tmp_path
     services._merged = fake = _FakeMerged(fail=True)
     assert services.acting("stage-1:abc") is services.endpoint and fake.stopped == 1
     services._merged = fake = _FakeMerged()
-    monkeypatch.setattr(M, "probe_agreement", lambda *a, **k: {"agree": False})
+    monkeypatch.setattr(MA, "probe_agreement", lambda *a, **k: {"agree": False})
     assert services.acting("stage-1:abc") is services.endpoint and fake.stopped == 1
 
 

@@ -7,10 +7,10 @@ import pytest
 from hamo_ray.config import load_config
 from hamo_ray.evaluation.faults import StageFailed
 from hamo_ray.memory import release_internalised
-from hamo_ray.run.folder import RunFolder
-from hamo_ray.run.resources import SEED_PURPOSES, stage_seed
 from hamo_ray.run.acting import release
 from hamo_ray.run.context import StageContext
+from hamo_ray.run.folder import RunFolder
+from hamo_ray.run.resources import SEED_PURPOSES, stage_seed
 from hamo_ray.run.tracking import stage_scalars
 from hamo_ray.types import StageResult, TaskSpec, Trajectory
 

@@ -52,3 +52,30 @@ def test_turn_seeds_differ_across_stages_and_episodes():
     draws = {turn_seed(s, t, turn) for s in (s1, s2) for t in (task, other) for turn in range(3)}
     assert len(draws) == 12
     assert turn_seed(None, task, 0) is None
+
+
+def test_select_and_replay_seed_through_stage_seed_unless_a_run_is_legacy(tmp_path):
+    """protocol.seeds: new runs draw selection and replay from stage_seed; an old run (its saved config
+    lacks the key) reads as legacy, keeps its draws on resume, and its exported cell is not stale under a
+    config that pins legacy, but is under today's default."""
+    import yaml
+
+    from hamo_ray.config import HamoConfig, upgrade_saved_config
+    from hamo_ray.run.folder import compared
+    from hamo_ray.run.resources import process_seed
+    from hamo_ray.sweep.export import stale_keys
+
+    cfg = HamoConfig.model_validate({"run": {"seed": 2}})
+    assert cfg.protocol.seeds == "stage"
+    assert process_seed(cfg, 3, "select") == stage_seed(2, 3, "select") != 2003
+    assert process_seed(cfg, 3, "replay") == stage_seed(2, 3, "replay") != process_seed(cfg, 3, "select")
+    legacy = HamoConfig.model_validate({"run": {"seed": 2}, "protocol": {"seeds": "legacy"}})
+    assert process_seed(legacy, 3, "select") == process_seed(legacy, 3, "replay") == 2003
+    assert process_seed(legacy, 3, "train") == stage_seed(2, 3, "train")  # only select and replay
+    old = cfg.model_dump(mode="json")
+    del old["protocol"]["seeds"]
+    assert upgrade_saved_config(old)["protocol"]["seeds"] == "legacy"
+    assert compared("protocol", "seeds")  # a resume under another scheme is refused, not mixed
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    assert stale_keys(tmp_path, cfg) == ["protocol.seeds"]
+    assert stale_keys(tmp_path, legacy) == []
