@@ -134,56 +134,22 @@ class LLMDistiller:
     """Outlines from an OpenAI-compatible chat endpoint, validated, with a deterministic fallback.
 
     Args:
-        base_url: the API root, e.g. ``http://127.0.0.1:8000/v1``.
-        model: the served model name.
-        api_key: sent as a bearer token ("EMPTY" for local servers).
-        concurrency: requests in flight (threads).
-        max_retries: retries of one trajectory before the fallback.
-        timeout_s: per-request timeout.
-        max_tokens, temperature: sampling settings.
-        max_outline_chars: longer outlines are runaway.
-        fallback: the registered distiller used when every try failed.
+        mcfg: the memory section, passed whole; the distiller reads its ``llm_*`` settings:
+            ``llm_base_url`` (the API root, e.g. ``http://127.0.0.1:8000/v1``), ``llm_model``,
+            ``llm_api_key`` (a bearer token; "EMPTY" for local servers), ``llm_concurrency`` (requests in
+            flight), ``llm_max_retries`` (before the fallback), ``llm_timeout_s`` (per request),
+            ``llm_max_tokens``, ``llm_temperature``, ``llm_max_outline_chars`` (longer outlines are
+            runaway), ``llm_fallback`` (the registered distiller used when every try failed) and
+            ``llm_chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking: false``).
         backoff_s: the first retry waits this long, doubling each time.
-        chat_template_kwargs: template variables sent with each request (e.g. Qwen3's
-            ``enable_thinking: false``); None sends none.
+
+    Raises:
+        ValueError: no ``memory.llm_base_url``, or ``policy`` not yet bound to the run's endpoint.
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        model: str = "base",
-        api_key: str = "EMPTY",
-        concurrency: int = 8,
-        max_retries: int = 2,
-        timeout_s: float = 60.0,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        max_outline_chars: int = 1200,
-        fallback: str = "outline",
-        backoff_s: float = 0.2,
-        chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, mcfg: MemoryConfig, *, backoff_s: float = 0.2) -> None:
         import httpx
 
-        self.url = base_url.rstrip("/") + "/chat/completions"
-        self.model = model
-        self.concurrency = max(1, concurrency)
-        self.max_retries = max(0, max_retries)
-        self.max_tokens = max_tokens
-        self.temperature = temperature
-        self.max_outline_chars = max_outline_chars
-        self.backoff_s = backoff_s
-        self.chat_template_kwargs = chat_template_kwargs or None
-        self.fallback = get_distiller(fallback)
-        self._client = httpx.Client(
-            timeout=timeout_s,
-            headers={"Authorization": f"Bearer {api_key}"},
-            limits=httpx.Limits(max_connections=self.concurrency),
-        )
-
-    @classmethod
-    def from_config(cls, mcfg: MemoryConfig) -> LLMDistiller:
-        """The distiller described by the ``memory.llm_*`` settings."""
         if not mcfg.llm_base_url:
             raise ValueError("memory.llm_base_url is required for the llm distiller")
         if mcfg.llm_base_url == POLICY:
@@ -191,19 +157,27 @@ class LLMDistiller:
                 "memory.llm_base_url='policy' is bound to the run's endpoint when the stream starts "
                 "(hamo_ray.memory.distill_llm.bind_policy); outside a stream give a URL"
             )
-        return cls(
-            mcfg.llm_base_url,
-            model=mcfg.llm_model,
-            api_key=mcfg.llm_api_key,
-            concurrency=mcfg.llm_concurrency,
-            max_retries=mcfg.llm_max_retries,
-            timeout_s=mcfg.llm_timeout_s,
-            max_tokens=mcfg.llm_max_tokens,
-            temperature=mcfg.llm_temperature,
-            max_outline_chars=mcfg.llm_max_outline_chars,
-            fallback=mcfg.llm_fallback,
-            chat_template_kwargs=mcfg.llm_chat_template_kwargs,
+        self.settings = mcfg
+        self.url = mcfg.llm_base_url.rstrip("/") + "/chat/completions"
+        self.model = mcfg.llm_model
+        self.concurrency = max(1, mcfg.llm_concurrency)
+        self.max_retries = max(0, mcfg.llm_max_retries)
+        self.max_tokens = mcfg.llm_max_tokens
+        self.temperature = mcfg.llm_temperature
+        self.max_outline_chars = mcfg.llm_max_outline_chars
+        self.backoff_s = backoff_s
+        self.chat_template_kwargs = mcfg.llm_chat_template_kwargs or None
+        self.fallback = get_distiller(mcfg.llm_fallback)
+        self._client = httpx.Client(
+            timeout=mcfg.llm_timeout_s,
+            headers={"Authorization": f"Bearer {mcfg.llm_api_key}"},
+            limits=httpx.Limits(max_connections=self.concurrency),
         )
+
+    @classmethod
+    def from_config(cls, mcfg: MemoryConfig) -> LLMDistiller:
+        """The distiller described by the ``memory.llm_*`` settings (the same as ``LLMDistiller(mcfg)``)."""
+        return cls(mcfg)
 
     def _request(self, traj: Trajectory) -> str:
         body: dict[str, Any] = {

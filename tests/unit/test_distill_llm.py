@@ -136,7 +136,10 @@ def test_policy_endpoint_is_bound_at_start():
 
 def test_llm_outlines_retries_and_fallback(endpoint):
     _Handler.calls.clear()
-    distiller = LLMDistiller(endpoint, concurrency=4, max_retries=2, max_outline_chars=500, backoff_s=0.01)
+    distiller = LLMDistiller(
+        MemoryConfig(llm_base_url=endpoint, llm_concurrency=4, llm_max_retries=2, llm_max_outline_chars=500),
+        backoff_s=0.01,
+    )
     kinds = ["good", "empty", "runaway", "cut", "flaky", "broken", "good"]
     trajs = [_traj(k, i) for i, k in enumerate(kinds)]
     outlines, sources = distiller.distill_with_sources(trajs)
