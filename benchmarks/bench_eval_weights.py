@@ -73,7 +73,12 @@ def train_adapter(cfg, model: str, n: int, epochs: int) -> Path:
     )  # fmt: skip
     out = WORK / "adapters" / "stage-1"
     result = train_model(
-        model, examples, out, cfg.train, pad_id=tok.pad_token_id, epochs=epochs, name="bench"
+        model,
+        examples,
+        out,
+        cfg.train.model_copy(update={"epochs": epochs}),
+        pad_id=tok.pad_token_id,
+        name="bench",
     )
     print(f"adapter: {len(trajs)} trajectories, {epochs} epochs, loss {result.loss:.3f} -> {out}", flush=True)
     return out
@@ -183,11 +188,11 @@ def _profile(go, params, label: str, kind: str, results: Results, top: int = 12)
 
 def episode_rows(cfg, model: str, adapter: Path, n: int, results: Results) -> list[dict]:
     """Item 3: ``n`` test episodes with the base, the adapter (LoRA) and the merged weights."""
+    from hamo_ray.naming import merged_app_names
     from hamo_ray.rollout.client import PolicySpec
     from hamo_ray.rollout.pool import EnvPool
     from hamo_ray.serving import publish_adapter, shutdown_policy_server, start_policy_server
     from hamo_ray.serving.client import hit_rate, prefix_cache_counters
-    from hamo_ray.serving.merged import merged_app_names
     from hamo_ray.serving.merged_app import MergedApp, probe_agreement
     from hamo_ray.serving.objstore import folder_digest
 

@@ -94,6 +94,26 @@ def cell_harness_names(scfg: ServeConfig, sweep: str, shared_url: str, run_id: s
     )
 
 
+MERGED_SUFFIX = "-merged"  # the merged app is <policy app>-merged at <route>/merged
+
+
+def merged_app_names(app: str, route: str) -> tuple[str, str]:
+    """(app, route) of a run's merged-weights policy app, beside its policy app ``app`` at ``route``."""
+    return f"{app}{MERGED_SUFFIX}", "/".join([route.rstrip("/"), MERGED_SUFFIX.lstrip("-")])
+
+
+def merged_names(
+    policy_app: str | None, policy_route: str, harness_app: str, harness_route: str
+) -> tuple[str, str]:
+    """(app, route) of a run's merged-weights policy app: ``<policy app>-merged`` at ``<route>/merged``; a
+    sweep cell (no policy app of its own): ``<sweep app>-merged-<cell>`` at ``<shared route>/merged-<cell>``."""
+    if policy_app is not None:
+        return merged_app_names(policy_app, policy_route)
+    head, _, cell = harness_app.rpartition("-harness-")
+    route_head, _, _ = harness_route.rpartition("/")
+    return f"{head}-merged-{cell}", f"{route_head}/merged-{cell}"
+
+
 def memory_table(mcfg: MemoryConfig, run_id: str | None) -> str:
     """The run's LanceDB table: ``memory.table`` in the run folder's own memory (``memory.uri`` unset);
     ``<memory.table>-<run id>`` in a ``memory.uri`` other runs may share. No run id: ``memory.table``."""

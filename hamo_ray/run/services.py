@@ -29,6 +29,7 @@ store already holds the same files, and published by its name in the store.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -39,6 +40,7 @@ from hamo_ray.naming import (
     cell_harness_names,
     claim_apps,
     memory_table,
+    merged_names,
     serve_names,
     store_prefix,
     sweep_name,
@@ -49,6 +51,9 @@ from hamo_ray.run.serve_apps import cluster_id, delete_apps, start_serve
 from hamo_ray.serving.adapters import DIGEST_CHARS
 
 logger = logging.getLogger(__name__)
+
+PUBLISH_RETRY_S = 30.0  # a following server's first retry of an adapter not proven live
+PUBLISH_RETRY_MAX_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -127,7 +132,9 @@ class Services:
     max_stage: int | None = None
     endpoint: Endpoint | None = field(default=None, init=False)  # set by start()
     served: dict[int, str] = field(default_factory=dict, init=False)  # stage -> published name
-    failed: set[int] = field(default_factory=set, init=False)  # stages not proven live (skipped)
+    # Stages whose adapter was not proven live: stage -> (attempts, monotonic time of the next try). A
+    # following server tries again after PUBLISH_RETRY_S * 2^(attempts - 1) (at most PUBLISH_RETRY_MAX_S).
+    failed: dict[int, tuple[int, float]] = field(default_factory=dict, init=False)
     # Adapter name -> the path it was published from (what a merged engine loads; hamo_ray/serving/merged.py)
     published: dict[str, str] = field(default_factory=dict, init=False)
 
@@ -299,18 +306,14 @@ class Services:
             if self._merged is None:
                 from ray import serve
 
-                app, route = self._merged_names()
+                app, route = merged_names(*self.app_names())
                 claim_apps([app], self.folder.path / APPS_FILE, cluster_id(), serve.status().applications)
                 self._created.append(app)
                 mcfg = scfg.model_copy(update={"app_name": app, "route_prefix": route})
                 self._merged = MergedApp(
-                    self._model_path or "",
-                    self.cfg.model,
-                    mcfg,
-                    self.adapter_root,
-                    scfg.max_lora_rank,
+                    self._model_path or "", self.cfg.model, mcfg, self.adapter_root, scfg.max_lora_rank,
                     scfg.publish_timeout_s,
-                )
+                )  # fmt: skip
             url, direct = self._merged.ensure(name, self.published[name])
             agree = probe_agreement(
                 self.endpoint.base_url, name, url, scfg.probe_prompt, scfg.probe_tokens, api_key=scfg.api_key
@@ -328,18 +331,6 @@ class Services:
         """Delete the merged app (if one runs): its engine's memory goes back before the next stage."""
         if self._merged is not None:
             self._merged.stop()
-
-    def _merged_names(self) -> tuple[str, str]:
-        """(app, route) of this run's merged-weights policy app (``<policy app>-merged`` at
-        ``<route>/merged``; a sweep cell: ``<sweep app>-merged-<cell>`` at ``<shared route>/merged-<cell>``)."""
-        from hamo_ray.serving.merged import merged_app_names
-
-        policy_app, policy_route, harness_app, harness_route = self.app_names()
-        if policy_app is not None:
-            return merged_app_names(policy_app, policy_route)
-        head, _, cell = harness_app.rpartition("-harness-")
-        route_head, _, _ = harness_route.rpartition("/")
-        return f"{head}-merged-{cell}", f"{route_head}/merged-{cell}"
 
     def _served_path(self, local: Path) -> str:
         """Where a replica loads ``local`` from: the store (copied there unless it holds it) or in place."""
@@ -371,10 +362,10 @@ class Services:
         """
         from hamo_ray.serving import AdapterNotLiveError
 
-        published = []
+        published, now = [], time.monotonic()
         for result in self.folder.stages():
             stage = result.stage
-            if not result.adapter or stage in self.served or stage in self.failed:
+            if not result.adapter or stage in self.served or now < self.failed.get(stage, (0, 0.0))[1]:
                 continue
             if self.max_stage is not None and stage > self.max_stage:
                 continue
@@ -383,9 +374,15 @@ class Services:
             except AdapterNotLiveError:
                 if strict:
                     raise
-                logger.exception("stage %d adapter %s not published", stage, result.adapter)
-                self.failed.add(stage)
+                attempts = self.failed.get(stage, (0, 0.0))[0] + 1
+                wait = min(PUBLISH_RETRY_MAX_S, PUBLISH_RETRY_S * 2 ** (attempts - 1))
+                self.failed[stage] = (attempts, now + wait)
+                logger.exception(
+                    "stage %d adapter %s not published (attempt %d); trying again in %.0f s",
+                    stage, result.adapter, attempts, wait,
+                )  # fmt: skip
                 continue
+            self.failed.pop(stage, None)
             self.served[stage] = result.adapter_name
             published.append(result.adapter_name)
             logger.info("published stage %d as %r (%s)", stage, result.adapter_name, info["status"])

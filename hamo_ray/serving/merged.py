@@ -42,7 +42,6 @@ logger = logging.getLogger(__name__)
 
 EVAL_WEIGHTS = ("auto", "merged", "adapter")
 MARKER = "hamo_merged.json"  # written last into a merged folder: which adapter and base it holds
-MERGED_SUFFIX = "-merged"  # the merged app is <policy app>-merged at <route>/merged
 # Agreement of merged and LoRA weights on the publish probe: greedy tokens equal, or the largest logprob
 # difference of the common prefix within this (float32: ~1e-5 measured on SmolLM2; bf16 rounds more).
 AGREEMENT_TOLERANCE = 0.05
@@ -64,11 +63,6 @@ def resolve_eval_weights(setting: str, *, gpus: bool) -> str:
     if setting == "auto":
         return "adapter" if gpus else "merged"
     return setting
-
-
-def merged_app_names(app: str, route: str) -> tuple[str, str]:
-    """(app, route) of a run's merged-weights policy app, beside its policy app ``app`` at ``route``."""
-    return f"{app}{MERGED_SUFFIX}", "/".join([route.rstrip("/"), MERGED_SUFFIX.lstrip("-")])
 
 
 def base_fingerprint(base: str | Path) -> str:

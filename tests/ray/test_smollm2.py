@@ -276,9 +276,10 @@ def test_merged_weights_answer_as_the_adapter_and_the_base_stays_the_base(server
     holds (a stale name is refused), and the run's endpoint still answers as the base model after."""
     import httpx
 
+    from hamo_ray.naming import merged_app_names
     from hamo_ray.serving import publish_adapter
     from hamo_ray.serving.client import greedy_probe
-    from hamo_ray.serving.merged import AGREEMENT_TOLERANCE, MergedWeightsError, merged_app_names
+    from hamo_ray.serving.merged import AGREEMENT_TOLERANCE, MergedWeightsError
     from hamo_ray.serving.merged_app import MergedApp, check_serves, probe_agreement
     from hamo_ray.serving.objstore import folder_digest
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from hamo_ray.config import load_config
+from hamo_ray.naming import merged_app_names, merged_names
 from hamo_ray.run.folder import RunFolder
 from hamo_ray.run.services import Endpoint, Services
 from hamo_ray.serving import merged as M
@@ -157,7 +158,7 @@ def _serving(monkeypatch, model, ids, status=200):
             return _Resp(status, {"status": "ok", "model": model})
         return _Resp(200, {"data": [{"id": i} for i in ids]})
 
-    monkeypatch.setattr(M.httpx, "get", get)
+    monkeypatch.setattr(MA.httpx, "get", get)
 
 
 def test_the_engine_must_state_the_adapters_name(monkeypatch):
@@ -198,8 +199,8 @@ def test_the_merged_app_is_redeployed_for_other_weights(monkeypatch):
 
 
 def test_merged_app_names():
-    assert M.merged_app_names("hamo-r", "/r") == ("hamo-r-merged", "/r/merged")
-    assert M.merged_app_names("hamo", "/") == ("hamo-merged", "/merged")
+    assert merged_app_names("hamo-r", "/r") == ("hamo-r-merged", "/r/merged")
+    assert merged_app_names("hamo", "/") == ("hamo-merged", "/merged")
 
 
 # -- Services.acting ------------------------------------------------------------------------------
@@ -259,7 +260,48 @@ def test_acting_falls_back_to_lora_when_merged_weights_fail_or_disagree(tmp_path
 
 
 def test_merged_app_names_of_a_run_and_of_a_sweep_cell(tmp_path):
-    assert _services(tmp_path)._merged_names() == ("hamo-r-merged", "/r/merged")
+    assert merged_names(*_services(tmp_path).app_names()) == ("hamo-r-merged", "/r/merged")
     cell = _services(tmp_path / "c", shared="http://h:1/sweep/0")
-    app, route = cell._merged_names()
+    app, route = merged_names(*cell.app_names())
     assert app.endswith("-merged-cell-a") and route == "/sweep/0/merged-cell-a"
+
+
+def test_a_following_server_retries_an_adapter_not_proven_live_with_backoff(tmp_path, monkeypatch):
+    """publish_committed(strict=False): a stage whose adapter failed is tried again later (not given up
+    forever), after 30 s, then 60 s, ...; once live it is served and forgotten by the retry book."""
+    from hamo_ray.serving import AdapterNotLiveError
+    from hamo_ray.types import StageResult
+
+    services = _services(tmp_path)
+    result = StageResult(stage=1, method="hamo", domain="scienceworld", num_trajectories=1, num_cards=1,
+                         budget=1, anchors=[], replay=[], adapter="adapters/stage-1", adapter_name="stage-1:aaaaaaaaaaaa",
+                         train_loss=1.0, scores={"scienceworld": 1.0}, seconds={})  # fmt: skip
+    monkeypatch.setattr(services.folder, "stages", lambda: [result])
+    clock = {"t": 1000.0}
+    monkeypatch.setattr("hamo_ray.run.services.time.monotonic", lambda: clock["t"])
+    calls = []
+
+    def publish(name, path):
+        calls.append(clock["t"])
+        if len(calls) < 3:
+            raise AdapterNotLiveError("replica not ready")
+        return {"status": "loaded"}
+
+    monkeypatch.setattr(services, "publish", publish)
+    assert services.publish_committed(strict=False) == [] and services.failed[1][0] == 1
+    clock["t"] += 29
+    assert services.publish_committed(strict=False) == [] and len(calls) == 1  # waits 30 s
+    clock["t"] += 1
+    assert services.publish_committed(strict=False) == [] and services.failed[1][0] == 2
+    clock["t"] += 59
+    services.publish_committed(strict=False)
+    assert len(calls) == 2  # then 60 s
+    clock["t"] += 1
+    assert services.publish_committed(strict=False) == ["stage-1:aaaaaaaaaaaa"]
+    assert services.served == {1: "stage-1:aaaaaaaaaaaa"} and services.failed == {}
+    with pytest.raises(AdapterNotLiveError):  # strict (the stream): the first failure raises
+        calls.clear()
+        fresh = _services(tmp_path / "s")
+        monkeypatch.setattr(fresh.folder, "stages", lambda: [result])
+        monkeypatch.setattr(fresh, "publish", publish)
+        fresh.publish_committed(strict=True)
