@@ -61,7 +61,12 @@ def training_rows(cfg, model: str, trajs, results: Results) -> list[dict]:
         out = Path(f"/tmp/hamo-bench-formats/{fmt}")
         start = time.perf_counter()
         result = train_model(
-            model, examples, out, cfg.train, pad_id=tok.pad_token_id, epochs=1, name=f"bench-{fmt}"
+            model,
+            examples,
+            out,
+            cfg.train.model_copy(update={"epochs": 1}),
+            pad_id=tok.pad_token_id,
+            name=f"bench-{fmt}",
         )
         wall = time.perf_counter() - start
         row = {

@@ -173,7 +173,7 @@ def ours(base: str, data: list[Example], args, tmp: Path, emit: Callable[[str, d
 
     Each finished stage is passed to ``emit(name, row)`` at once (a run cut short keeps it).
     """
-    from hamo_ray.training.group import TrainerGroup
+    from hamo_ray.training.actors import TrainerGroup
     from hamo_ray.training.trainer import train_model
 
     gpu = args.device == "cuda"
@@ -201,8 +201,8 @@ def ours(base: str, data: list[Example], args, tmp: Path, emit: Callable[[str, d
         for k, (name, tcfg) in enumerate(stages):
             t = time.perf_counter()
             try:
-                r = train_model(base, data, tmp / f"stage{k}", tcfg, pad_id=0, init_adapter=prev,
-                                epochs=1, seed=k, name=name, group=group)  # fmt: skip
+                r = train_model(base, data, tmp / f"stage{k}", tcfg.model_copy(update={"epochs": 1}), pad_id=0,
+                                init_adapter=prev, seed=k, name=name, group=group)  # fmt: skip
             except Exception as e:  # a variant that fails (say, liger missing) leaves the others
                 logging.exception("%s failed", name)
                 emit(name, {"error": repr(e)[:300]})
@@ -231,8 +231,10 @@ def loop_steps(base: str, data: list[Example], args, tmp: Path, emit: Callable[[
 
     import torch
 
-    from hamo_ray.training.loop import ModelSpec, StepConfig, Stepper, load_model
+    from hamo_ray.training.contracts import ModelSpec, StepConfig
+    from hamo_ray.training.model import load_model
     from hamo_ray.training.packing import collate, device_pack_tokens, pack_batches
+    from hamo_ray.training.stepper import Stepper
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"

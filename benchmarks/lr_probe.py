@@ -63,7 +63,7 @@ def main() -> None:
     for lr in args.lrs:
         out = run / "lr-probe" / f"lr-{lr:g}"
         r = train_model(
-            model_path, examples, out, cfg.train, pad_id=tokenizer.pad_token_id, lr=lr,
+            model_path, examples, out, cfg.train.model_copy(update={"lr": lr}), pad_id=tokenizer.pad_token_id,
             seed=cfg.run.seed + args.stage, name=f"lr-probe-{lr:g}",
         )  # fmt: skip
         ratio = r.losses[-1] / r.losses[0]

@@ -172,12 +172,9 @@ def _build(cfg: HamoConfig, run_expert, path: Path) -> Path:
         str(init_dir),
         examples,
         staging / "model",
-        cfg.train,
+        cfg.train.model_copy(update={"epochs": bcfg.epochs, "lr": bcfg.lr, "batch_size": bcfg.batch_size}),
         pad_id=tokenizer.pad_token_id,
         lora=False,
-        epochs=bcfg.epochs,
-        lr=bcfg.lr,
-        batch_size=bcfg.batch_size,
         name="backbone",
     )
     tokenizer.save_pretrained(staging / "model")

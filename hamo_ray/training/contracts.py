@@ -1,18 +1,16 @@
 """What crosses the process boundary between the driver and the training workers: frozen dataclasses.
 
-The driver builds a job (``trainer.stage_job``), a :class:`~hamo_ray.training.group.TrainerGroup`
-sends it to every worker as it is (pickled by Ray), each worker runs the loss's stage function on it,
-and rank 0 sends back a :class:`StageOutput`; the driver writes its files and returns the
-:class:`TrainResult`::
+The driver builds a job (``trainer.stage_job``), an engine (``group.make_group``: Ray Train or Ray
+actors) sends it to every worker as it is (pickled by Ray), each worker runs the loop on it
+(``loop.run_stage``, with the loss its ``objective`` names in ``objectives.py``), and rank 0 sends
+back a :class:`StageOutput`; the driver writes its files and returns the :class:`TrainResult`::
 
-    job = stage_job(tcfg, base_path, ray.put(examples), out_dir, lengths, seed=3)   # a StageJob
-    result = group.train_bc(job)                       # TrainResult; the adapter is in out_dir
-    result = group.train_dpo(DpoJob(job, beta=0.1))    # the same stage settings, plus the DPO loss's
+    job = stage_job(tcfg, base_path, ray.put(examples), out_dir, lengths, seed=3)   # a StageJob, "bc"
+    result = group.train(job)                          # TrainResult; the adapter is in out_dir
+    dpo = stage_job(tcfg, ..., objective="dpo", options={"beta": 0.1})   # the DPO loss and its settings
 
-A new loss is one worker function ``(worker, job) -> StageOutput | None`` (built from
-``stage.begin_stage`` and ``stage.StageRun``, as ``trainer.bc_stage`` and ``dpo.dpo_stage`` are) plus
-one ``TrainerGroup`` method that runs it; a loss with settings of its own wraps ``StageJob`` as
-:class:`DpoJob` does.
+This module imports nothing of the package but the config-derived precision and strategy
+(``deepspeed.py``): both sides import it, it imports neither.
 """
 
 from __future__ import annotations
@@ -64,7 +62,7 @@ class ModelSpec:
 
 def _fused(tcfg: Any) -> bool:
     """``train.fused`` (None: on GPU), never under ZeRO-3 (its parameter gathering needs the modules' calls)."""
-    from hamo_ray.training.trainer import resolve_strategy
+    from hamo_ray.training.deepspeed import resolve_strategy
 
     fused = tcfg.use_gpu if tcfg.fused is None else tcfg.fused
     return fused and not (tcfg.zero_stage == 3 and resolve_strategy(tcfg) == "deepspeed")
@@ -83,11 +81,13 @@ class StepConfig:
 
 @dataclass(frozen=True)
 class StageJob:
-    """One training stage as every worker runs it: what to load, how to step and batch, the data.
+    """One training stage as every worker runs it: what to load, how to step and batch, the data, the loss.
 
     ``examples`` is a ``ray.ObjectRef`` of the stage's rows (one copy in the object store for all
     workers) or the rows themselves: ``Example`` objects for behavioural cloning, :class:`EncodedPair`
-    objects for DPO. ``out_dir`` is the driver's: the workers never write it.
+    objects for DPO (each row has ``tokens``). ``objective`` names the loss in ``objectives.py``'s
+    registry, ``options`` its settings (DPO: ``beta``). ``out_dir`` is the driver's: the workers never
+    write it.
     """
 
     spec: ModelSpec
@@ -103,14 +103,13 @@ class StageJob:
     init_adapter: str | None = None  # the previous stage's adapter folder; None: a fresh LoRA
     reuse: bool = True  # the loaded model may serve this stage (False: reload; the stage changes it in place)
     name: str = "train"  # in the logs
+    objective: str = "bc"  # the loss (objectives.py): "bc", "dpo" (init_adapter: the start and the reference)
+    options: dict[str, float] = field(default_factory=dict)  # the objective's settings (DPO: beta)
 
-
-@dataclass(frozen=True)
-class DpoJob:
-    """A DPO stage: the stage's settings (``init_adapter`` is the start and the frozen reference) and beta."""
-
-    stage: StageJob
-    beta: float
+    @property
+    def label(self) -> str:
+        """The job in messages: its name, prefixed by its objective unless that is behavioural cloning."""
+        return self.name if self.objective == "bc" else f"{self.objective} {self.name}"
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
-"""DeepSpeed ZeRO for the training loop (``loop.Stepper``): the generated config, engine set-up, saving.
+"""DeepSpeed ZeRO for the training loop (``stepper.Stepper``): the strategy rule, the generated config,
+engine set-up, saving.
 
 No hand-kept JSON: :func:`deepspeed_config` derives every field from ``TrainConfig`` (ZeRO stage,
 bf16, micro-batch, accumulation, clipping, offload), so the DeepSpeed config cannot drift from the
 run's config::
 
     cfg = deepspeed_config(tcfg, world_size=8)            # a dict, as deepspeed.initialize wants it
-    engine = initialize_engine(model, optimizer, cfg)     # inside a training worker (group.py)
+    engine = initialize_engine(model, optimizer, cfg)     # inside a training worker (stepper.py)
     state = trainable_state_dict(engine)                  # ZeRO-3: gathers the sharded LoRA weights
 
 ``deepspeed`` is imported only by :func:`initialize_engine` and :func:`trainable_state_dict`. The
@@ -33,6 +34,20 @@ def extensions_dir() -> str:
     os.environ["TORCH_EXTENSIONS_DIR"] = path
     Path(path).mkdir(parents=True, exist_ok=True)
     return path
+
+
+def resolve_strategy(tcfg: TrainConfig, strategy: str | None = None) -> str:
+    """ "ddp" or "deepspeed": ``auto`` is DeepSpeed ZeRO only with several GPU workers (see the README).
+
+    Raises:
+        ValueError: an unknown strategy name.
+    """
+    strategy = strategy or tcfg.strategy
+    if strategy == "auto":
+        strategy = "deepspeed" if tcfg.use_gpu and tcfg.num_workers > 1 else "ddp"
+    if strategy not in ("ddp", "deepspeed"):
+        raise ValueError(f"unknown training strategy {strategy!r} (train.strategy: auto, ddp, deepspeed)")
+    return strategy
 
 
 def use_bf16(tcfg: TrainConfig) -> bool:

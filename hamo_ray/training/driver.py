@@ -1,7 +1,8 @@
 """The stream's side of training: a stage's trajectories (and their cards) in, a trained adapter out.
 
 :class:`StageTrainer` tokenises with the backbone's tokenizer, in the run's prompt and example format,
-and trains on the stream's kept worker group (``group.KeptGroup``)::
+and trains on the stream's kept engine (``group.KeptGroup``) through ``trainer.train_model`` and
+``dpo.train_dpo``, the run's ``TrainConfig`` passed whole::
 
     trainer = StageTrainer(cfg, model_path, KeptGroup(cfg.train))
     result = trainer.bc(batch, cards, out_dir, init_adapter=prev, seed=s, name="stage-1")

@@ -35,6 +35,11 @@ class Example:
     labels: list[int]
     trajectory_id: str
 
+    @property
+    def tokens(self) -> int:
+        """Its length in tokens (what batching counts; ``EncodedPair.tokens`` for a DPO pair)."""
+        return len(self.input_ids)
+
 
 def trajectory_examples(
     traj: Trajectory,

@@ -2,13 +2,13 @@
 
 Ray Train's worker group starts once (35-45 s on an H200; 43-55 s with the first model load on 2 busy CPU
 cores) and then lives for the whole stream. Its training function loads the base model once and serves stage jobs that the driver
-hands to a small broker actor; each stage is the same shared loop as on the actor group
-(``trainer.bc_stage`` for behavioural cloning, ``dpo.dpo_stage`` for ETO's DPO), on Ray Train's own
+hands to a small broker actor; each stage is the same loop as on the actor group (``loop.run_stage``,
+with the loss the job's objective names: behavioural cloning, ETO's DPO), on Ray Train's own
 process group (gloo on CPU, NCCL on GPUs, DeepSpeed ZeRO over it)::
 
     group = RayTrainGroup(tcfg, storage="runs/x/ray_train")   # the Ray Train run starts (in a thread)
-    r1 = group.train_bc(job1)                                   # loads the model, trains stage 1
-    r2 = group.train_bc(job2)                                   # the same workers: starts in well under 5 s
+    r1 = group.train(job1)                                      # loads the model, trains stage 1
+    r2 = group.train(job2)                                      # the same workers: starts in well under 5 s
     group.shutdown()                                            # the run ends: fit() returns
 
 Every stage ends with ``ray.train.report``: its figures, and rank 0's adapter as the run's checkpoint
@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from hamo_ray.config import TrainConfig
-from hamo_ray.training.contracts import DpoJob, StageJob, StageOutput, TrainResult
-from hamo_ray.training.group import TrainWorker, write_files
+from hamo_ray.training.contracts import StageJob, StageOutput, TrainResult
+from hamo_ray.training.files import write_files
+from hamo_ray.training.worker import TrainWorker
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class StageBroker:
     def __init__(self) -> None:
         import asyncio
 
-        self.jobs: list[tuple[str, Any]] = []
+        self.jobs: list[StageJob | None] = []
         self.results: dict[int, Any] = {}
         self.starts: list[dict[str, Any]] = []  # one row per (attempt, rank, job) started
         self.joins: dict[int, int] = {}  # rank -> how many times a worker of that rank started
@@ -83,8 +84,8 @@ class StageBroker:
         async with self.changed:
             self.changed.notify_all()
 
-    async def submit(self, kind: str, job: Any) -> int:
-        self.jobs.append((kind, job))
+    async def submit(self, job: StageJob) -> int:
+        self.jobs.append(job)
         await self._notify()
         return len(self.jobs) - 1
 
@@ -103,7 +104,7 @@ class StageBroker:
             seq += 1
         return self.joins[rank], seq
 
-    async def next_job(self, seq: int, rank: int, pid: int, attempt: int) -> tuple[str, Any] | None:
+    async def next_job(self, seq: int, rank: int, pid: int, attempt: int) -> StageJob | None:
         """Job ``seq`` once it is submitted; None once the run is stopped (and the job not submitted)."""
         async with self.changed:
             await self.changed.wait_for(lambda: seq < len(self.jobs) or self.stopped)
@@ -117,7 +118,8 @@ class StageBroker:
         if seq in self.results:
             return False
         self.results[seq] = result
-        self.jobs[seq] = (self.jobs[seq][0], None)  # a closed job is never asked again: free its rows
+        # a closed job is never asked again: free its rows
+        self.jobs[seq] = replace(self.jobs[seq], examples=None)
         await self._notify()
         return True
 
@@ -132,8 +134,8 @@ class StageBroker:
             return None
         return self.results[seq]
 
-    def job_of(self, seq: int) -> tuple[str, Any]:
-        """Job ``seq`` while it is open (a finished one keeps only its kind)."""
+    def job_of(self, seq: int) -> StageJob:
+        """Job ``seq`` (a finished one without its rows)."""
         return self.jobs[seq]
 
     def error(self, err: WorkerError) -> None:
@@ -167,18 +169,6 @@ class RayTrainWorker(TrainWorker):
         pass
 
 
-def _stage_fn(kind: str):
-    if kind == "bc":
-        from hamo_ray.training.trainer import bc_stage
-
-        return bc_stage
-    if kind == "dpo":
-        from hamo_ray.training.dpo import dpo_stage
-
-        return dpo_stage
-    raise ValueError(f"unknown stage kind {kind!r}")
-
-
 def _storage_path(storage: str | Path | None) -> str | None:
     """Ray Train's ``storage_path``: a URI as it is, a local path made absolute; None: Ray's default."""
     if storage is None or "://" in str(storage):
@@ -205,17 +195,16 @@ def serve_stages(config: dict[str, Any]) -> None:
     )
     logger.info("ray train worker %d/%d (attempt %d) from job %d", worker.rank, worker.world, attempt, seq)
     while True:
-        item = ray.get(broker.next_job.remote(seq, worker.rank, os.getpid(), attempt))
-        if item is None:
+        job = ray.get(broker.next_job.remote(seq, worker.rank, os.getpid(), attempt))
+        if job is None:
             return
-        kind, job = item
         try:
-            out = worker.run(_stage_fn(kind), job)
+            out = worker.run(job)
         except Exception as exc:  # Ray Train's failure to handle (see the module's docstring)
             error = WorkerError(seq, worker.rank, attempt, "".join(traceback.format_exception(exc)))
             ray.get(broker.error.remote(error))
             raise
-        metrics = {"job": seq, "kind": kind, "name": job.name if kind == "bc" else job.stage.name}
+        metrics = {"job": seq, "kind": job.objective, "name": job.name}
         if out is None:  # ranks > 0
             ray.train.report(metrics)
         else:
@@ -288,21 +277,18 @@ class RayTrainGroup:
         except BaseException as exc:  # kept for the waiting driver
             self.error = exc
 
-    def train_bc(self, job: StageJob) -> TrainResult:
-        """A behavioural-cloning stage on the run's workers; the weights in ``job.out_dir``."""
-        return self._run("bc", job, job.out_dir)
+    def train(self, job: StageJob) -> TrainResult:
+        """One stage (the loop, with ``job.objective``) on the run's workers; the weights in ``job.out_dir``.
 
-    def train_dpo(self, job: DpoJob) -> TrainResult:
-        """A DPO stage on the run's workers; the weights in ``job.stage.out_dir``."""
-        return self._run("dpo", job, job.stage.out_dir)
-
-    def _run(self, kind: str, job: StageJob | DpoJob, out_dir: str) -> TrainResult:
+        Raises:
+            TrainingEngineError: the run ended (shut down, or its failures spent) before the job finished.
+        """
         import ray
 
         if not self.workers:
             raise TrainingEngineError(f"Ray Train run {self.name} was shut down")
         wall = time.perf_counter()
-        seq = ray.get(self.broker.submit.remote(kind, job))
+        seq = ray.get(self.broker.submit.remote(job))
         while True:
             out = ray.get(self.broker.result.remote(seq, 2.0))
             if out is not None:
@@ -310,7 +296,7 @@ class RayTrainGroup:
             if not self._thread.is_alive():
                 raise TrainingEngineError(self._ended(seq))
         assert isinstance(out, StageOutput)
-        path = write_files(out.files, out_dir)
+        path = write_files(out.files, job.out_dir)
         seconds = out.result.seconds
         return replace(out.result, path=str(path), startup_s=max(0.0, time.perf_counter() - wall - seconds))
 
@@ -318,9 +304,8 @@ class RayTrainGroup:
         """Why job ``seq`` will never finish: the run's end, and the job's last worker error."""
         import ray
 
-        kind, job = ray.get(self.broker.job_of.remote(seq))
-        name = job.name if kind == "bc" else f"dpo {job.stage.name}"
-        why = f"Ray Train run {self.name} ended before job {seq} ({name}) finished"
+        job = ray.get(self.broker.job_of.remote(seq))
+        why = f"Ray Train run {self.name} ended before job {seq} ({job.label}) finished"
         errors = [e for e in ray.get(self.broker.worker_errors.remote()) if e.seq == seq]
         if not errors:
             return f"{why}: {self.error!r}"

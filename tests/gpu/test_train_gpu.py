@@ -50,7 +50,7 @@ def _examples(n: int, seed: int = 0) -> list[Example]:
 def _lm(backbone: str, packed: bool, bf16: bool, fused: bool = False, compile: bool = False):
     import torch
 
-    from hamo_ray.training.loop import ModelSpec, load_model
+    from hamo_ray.training.model import ModelSpec, load_model
 
     spec = ModelSpec(
         backbone, lora_r=8, lora_alpha=16, target_modules=tuple(TARGETS), bf16=bf16, packed=packed,
@@ -168,15 +168,19 @@ def test_bc_stages_on_one_gpu_group(ray_gpu, backbone, tmp_path, engine):
     group = make_group(tcfg, storage=tmp_path / "ray_train")
     try:
         r1 = train_model(
-            backbone, _examples(32), tmp_path / "s1", tcfg, pad_id=0, epochs=2, lr=2e-3, group=group
+            backbone,
+            _examples(32),
+            tmp_path / "s1",
+            tcfg.model_copy(update={"epochs": 2, "lr": 2e-3}),
+            pad_id=0,
+            group=group,
         )
         r2 = train_model(
             backbone,
             _examples(32, 1),
             tmp_path / "s2",
-            tcfg,
+            tcfg.model_copy(update={"epochs": 1}),
             pad_id=0,
-            epochs=1,
             init_adapter=r1.path,
             group=group,
         )
@@ -208,8 +212,9 @@ def test_dpo_on_cuda(ray_gpu, tmp_path, strategy):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hamo_ray.backbones.tiny_lm import make_random_backbone
-    from hamo_ray.training.dpo import encode_pairs, train_dpo, trajectory_logprobs
-    from hamo_ray.training.loop import ModelSpec, load_model
+    from hamo_ray.training.dpo import encode_pairs, train_dpo
+    from hamo_ray.training.model import ModelSpec, load_model
+    from hamo_ray.training.objectives import trajectory_logprobs
 
     base = make_random_backbone(tmp_path / "base")
     tok = AutoTokenizer.from_pretrained(base)

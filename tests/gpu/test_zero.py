@@ -72,7 +72,7 @@ def test_zero_adapter_round_trip(ray_gpu, backbone, tmp_path, stage):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from hamo_ray.training.group import TrainerGroup
+    from hamo_ray.training.actors import TrainerGroup
     from hamo_ray.training.trainer import train_model
 
     gpus = int(ray_gpu.cluster_resources().get("GPU", 0))
@@ -83,14 +83,14 @@ def test_zero_adapter_round_trip(ray_gpu, backbone, tmp_path, stage):
         zero_stage=stage,
         gradient_checkpointing=True,
         target_modules=TARGETS,
+        epochs=2,
+        lr=5e-3,
     )
     group = TrainerGroup(tcfg)
     try:  # two stages on one worker group: the second starts from the first's adapter
-        first = train_model(
-            backbone, _examples(), tmp_path / "a1", tcfg, pad_id=0, epochs=2, lr=5e-3, group=group
-        )
+        first = train_model(backbone, _examples(), tmp_path / "a1", tcfg, pad_id=0, group=group)
         result = train_model(
-            backbone, _examples(), tmp_path / "adapter", tcfg, pad_id=0, epochs=2, lr=5e-3,
+            backbone, _examples(), tmp_path / "adapter", tcfg, pad_id=0,
             init_adapter=first.path, group=group,
         )  # fmt: skip
     finally:

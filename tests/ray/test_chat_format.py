@@ -101,8 +101,9 @@ def trained(ray_session, qwen3_folder, tokenizer, tmp_path_factory):
     examples = build_examples(TRAJS, {}, tokenizer, SHORT, 2048, KWARGS)
     assert len(examples) == 8
     result = train_model(
-        str(qwen3_folder), examples, out, TrainConfig(max_seq_len=2048, engine="actors"), pad_id=tokenizer.pad_token_id,  # engine: not the subject
-        lora=False, epochs=40, lr=3e-3, batch_size=1, name="chat-format",
+        str(qwen3_folder), examples, out,
+        TrainConfig(max_seq_len=2048, engine="actors", epochs=40, lr=3e-3, batch_size=1),  # engine: not the subject
+        pad_id=tokenizer.pad_token_id, lora=False, name="chat-format",
     )  # fmt: skip
     tokenizer.save_pretrained(out)
     assert result.losses[-1] < 0.2 * result.losses[0], result.losses

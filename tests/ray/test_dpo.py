@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from hamo_ray.config import PromptConfig, TrainConfig
-from hamo_ray.training.dpo import encode_pairs, train_dpo, trajectory_logprobs
-from hamo_ray.training.trainer import TrainResult
+from hamo_ray.training.contracts import TrainResult
+from hamo_ray.training.dpo import encode_pairs, train_dpo
+from hamo_ray.training.objectives import trajectory_logprobs
 from hamo_ray.types import TaskSpec, Trajectory
 
 
@@ -37,7 +38,7 @@ def test_dpo_raises_the_chosen_margin(ray_session, tmp_path, engine):
 
     from hamo_ray.backbones.tiny_lm import make_random_backbone
     from hamo_ray.training.group import make_group
-    from hamo_ray.training.loop import ModelSpec, load_model
+    from hamo_ray.training.model import ModelSpec, load_model
 
     base = make_random_backbone(tmp_path / "base")
     tok = AutoTokenizer.from_pretrained(base)
@@ -77,9 +78,8 @@ def test_dpo_raises_the_chosen_margin(ray_session, tmp_path, engine):
             str(tmp_path / "dpo"),
             encoded,
             tmp_path / "dpo2",
-            tcfg,
+            tcfg.model_copy(update={"dpo_epochs": 1}),
             pad_id=0,
-            epochs=1,
             group=group,
         )
     finally:
@@ -102,7 +102,7 @@ def test_packed_and_padded_trajectory_logprobs_agree(tmp_path):
     from transformers import AutoTokenizer
 
     from hamo_ray.backbones.tiny_lm import make_random_backbone
-    from hamo_ray.training.loop import ModelSpec, load_model
+    from hamo_ray.training.model import ModelSpec, load_model
 
     base = make_random_backbone(tmp_path / "base")
     tok = AutoTokenizer.from_pretrained(base)

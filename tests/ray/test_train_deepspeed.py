@@ -92,11 +92,8 @@ def _train(backbone, tmp_path, tcfg: TrainConfig, name: str, epochs: int = 1):
         backbone,
         _examples(),
         tmp_path / name,
-        tcfg,
+        tcfg.model_copy(update={"epochs": epochs, "lr": 5e-3, "batch_size": 4}),
         pad_id=0,
-        epochs=epochs,
-        lr=5e-3,
-        batch_size=4,
         name=name,
     )
 
@@ -105,7 +102,7 @@ def test_gradient_checkpointing_is_compatible_with_lora(backbone):
     """In-process (no Ray): with checkpointing on, gradients still reach the LoRA weights (packed batch)."""
     import torch
 
-    from hamo_ray.training.loop import ModelSpec, load_model
+    from hamo_ray.training.model import ModelSpec, load_model
     from hamo_ray.training.packing import collate
 
     spec = ModelSpec(
@@ -143,11 +140,9 @@ def test_workers_live_across_stages(ray_session, backbone, tmp_path, engine):
                 backbone,
                 _examples(16, seed=stage),
                 tmp_path / f"s{stage}",
-                tcfg,
+                tcfg.model_copy(update={"epochs": 1, "lr": 5e-3}),
                 pad_id=0,
                 init_adapter=prev,
-                epochs=1,
-                lr=5e-3,
                 seed=stage,
                 group=group,
             )

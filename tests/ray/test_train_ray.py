@@ -75,8 +75,8 @@ def test_stages_share_one_run_and_a_killed_worker_is_retrained_once(ray_session,
             time.sleep(0.02)
 
     def stage(k: int, n: int, prev=None, epochs: int = 1):
-        return train_model(base, _examples(n, k), tmp_path / f"s{k}", tcfg, pad_id=0, group=group,
-                           init_adapter=prev, epochs=epochs)  # fmt: skip
+        return train_model(base, _examples(n, k), tmp_path / f"s{k}", tcfg.model_copy(update={"epochs": epochs}),
+                           pad_id=0, group=group, init_adapter=prev)  # fmt: skip
 
     try:
         r1 = stage(1, 8)

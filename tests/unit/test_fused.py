@@ -170,7 +170,7 @@ def backbone(tmp_path_factory):
 def _step(backbone: str, fused: bool, packed: bool = True):
     import torch
 
-    from hamo_ray.training.loop import ModelSpec, load_model
+    from hamo_ray.training.model import ModelSpec, load_model
 
     spec = ModelSpec(
         backbone, lora_r=8, lora_alpha=16, target_modules=tuple(TARGETS), packed=packed, fused=fused

@@ -99,7 +99,7 @@ def test_step_record_rows_and_epoch_means():
     """Per-step rows from device tensors (one synchronisation), epoch means from them; rank 0 only logs."""
     import torch
 
-    from hamo_ray.training.stage import StepRecord
+    from hamo_ray.training.record import StepRecord
 
     record = StepRecord(total_steps=5, desc="train t", rank=0, world=2)
     record.begin()
