@@ -10,7 +10,8 @@ environments; an *environment* runs one episode at a time::
     step = env.step("look around")      # StepResult(observation, reward, done, score 0-100)
     env.expert_actions()                # gold actions for the loaded task
 
-Register a new domain with ``@register_domain("name", config=NameConfig)`` on a ``Domain`` subclass;
+``get_domain`` is ``hamo_ray.envs.get_domain`` (the package imports the built-in domains, which
+register themselves here). Register a new domain with ``@register_domain("name", config=NameConfig)`` on a ``Domain`` subclass;
 ``NameConfig`` (a ``ConfigSection``, every field with a default) holds the domain's own settings,
 ``env.name.*`` in a config file or override, ``cfg.env.name`` (or ``domain.settings``) in code.
 """
@@ -52,6 +53,28 @@ class Env(Protocol):
 
     def close(self) -> None:
         """Release the environment's process/resources."""
+
+
+class EnvLifecycle:
+    """The lifecycle every environment shares: ``with env:`` closes it on the way out, and a second
+    ``close()`` does nothing. A subclass releases its resources in ``_close`` (called once)."""
+
+    _closed: bool = False
+
+    def close(self) -> None:
+        """Release the environment's process/resources (once; later calls do nothing)."""
+        if not self._closed:
+            self._closed = True
+            self._close()
+
+    def _close(self) -> None:
+        """What closing releases (the subclass's process, simulator, server session)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Domain(ABC):
@@ -105,6 +128,17 @@ class Domain(ABC):
 _DOMAINS: dict[str, type[Domain]] = {}
 
 
+def registered_domain(name: str) -> type[Domain]:
+    """The ``Domain`` class registered as ``name`` (``hamo_ray.envs.get_domain`` loads the built-in ones first).
+
+    Raises:
+        ConfigError: no domain of that name, naming the known ones.
+    """
+    if name not in _DOMAINS:
+        raise ConfigError(f"env.domain: unknown domain {name!r}; known: {', '.join(sorted(_DOMAINS))}")
+    return _DOMAINS[name]
+
+
 def register_domain(
     name: str, config: type[ConfigSection] | None = None
 ) -> Callable[[type[Domain]], type[Domain]]:
@@ -118,12 +152,3 @@ def register_domain(
         return cls
 
     return deco
-
-
-def get_domain(name: str, cfg: EnvConfig) -> Domain:
-    """Instantiate a registered domain; importing its module registers it."""
-    from hamo_ray import envs  # noqa: F401  (registers the built-in domains)
-
-    if name not in _DOMAINS:
-        raise ConfigError(f"env.domain: unknown domain {name!r}; known: {', '.join(sorted(_DOMAINS))}")
-    return _DOMAINS[name](cfg)

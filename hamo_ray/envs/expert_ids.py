@@ -53,7 +53,7 @@ def agentgym_sciworld_items() -> tuple[tuple[str, int], ...]:
     from scienceworld.constants import ID2TASK
     from scienceworld.utils import infer_task
 
-    from hamo_ray.envs.scienceworld import variation_splits
+    from hamo_ray.envs.scienceworld_tasks import variation_splits
 
     items: list[tuple[str, int]] = []
     for key, name in ID2TASK.items():
@@ -93,7 +93,7 @@ class Item:
 
 
 def scienceworld_task(item: Item) -> TaskSpec:
-    from hamo_ray.envs.scienceworld import variation_splits
+    from hamo_ray.envs.scienceworld_tasks import variation_splits
 
     field, ident = item.ident()
     if m := re.fullmatch(r"sciworld_(\d+)", ident):
@@ -184,7 +184,7 @@ def webshop_task(item: Item) -> TaskSpec:
 
 def agentgym_server_task(item: Item, domain: str) -> TaskSpec:
     """``textcraft_<N>`` / ``babyai_<N>``: the task of item N of that AgentGym server (``agentgym.domains``)."""
-    from hamo_ray.envs.agentgym.domains import babyai_task, textcraft_task
+    from hamo_ray.envs.agentgym.items import babyai_task, textcraft_task
 
     field, ident = item.ident()
     prefix = AGENTGYM_PREFIX[domain]

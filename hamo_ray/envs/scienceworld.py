@@ -66,14 +66,15 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
 from hamo_ray.config import ConfigError, ConfigSection, EnvConfig
-from hamo_ray.envs.base import Domain, StepResult, register_domain
+from hamo_ray.envs.agentgym.sciworld import AGENTGYM_UNLISTED, LocalGold, agentgym_item, server_env  # noqa: F401
+from hamo_ray.envs.base import Domain, EnvLifecycle, StepResult, register_domain
 from hamo_ray.envs.scienceworld_jvm import capped_env_class, is_jvm_error
+from hamo_ray.envs.scienceworld_tasks import query_splits, task_names, variation_splits  # noqa: F401
 from hamo_ray.types import TaskSpec
 
 logger = logging.getLogger(__name__)
@@ -96,104 +97,10 @@ class ScienceWorldConfig(ConfigSection):
     server_simplifications: str = ""
 
 
-# (train_end, dev_end, num_variations) per task, read from the scienceworld 1.2.3 jar:
-# train = range(0, train_end), dev = range(train_end, dev_end), test = range(dev_end, num_variations).
-_SPLITS_VERSION = "1.2.3"
-_SPLITS_1_2_3: dict[str, tuple[int, int, int]] = {
-    "boil": (14, 21, 30),
-    "change-the-state-of-matter-of": (14, 21, 30),
-    "chemistry-mix": (16, 24, 32),
-    "chemistry-mix-paint-secondary-color": (18, 27, 36),
-    "chemistry-mix-paint-tertiary-color": (18, 27, 36),
-    "find-animal": (150, 225, 300),
-    "find-living-thing": (150, 225, 300),
-    "find-non-living-thing": (150, 225, 300),
-    "find-plant": (150, 225, 300),
-    "freeze": (14, 21, 30),
-    "grow-fruit": (62, 93, 126),
-    "grow-plant": (62, 93, 126),
-    "identify-life-stages-1": (6, 9, 14),
-    "identify-life-stages-2": (4, 6, 10),
-    "inclined-plane-determine-angle": (84, 126, 168),
-    "inclined-plane-friction-named-surfaces": (692, 1038, 1386),
-    "inclined-plane-friction-unnamed-surfaces": (80, 120, 162),
-    "lifespan-longest-lived": (62, 93, 125),
-    "lifespan-longest-lived-then-shortest-lived": (62, 93, 125),
-    "lifespan-shortest-lived": (62, 93, 125),
-    "measure-melting-point-known-substance": (218, 327, 436),
-    "measure-melting-point-unknown-substance": (150, 225, 300),
-    "melt": (14, 21, 30),
-    "mendelian-genetics-known-plant": (60, 90, 120),
-    "mendelian-genetics-unknown-plant": (240, 360, 480),
-    "power-component": (10, 15, 20),
-    "power-component-renewable-vs-nonrenewable-energy": (10, 15, 20),
-    "test-conductivity": (450, 675, 900),
-    "test-conductivity-of-unknown-substances": (300, 450, 600),
-    "use-thermometer": (270, 405, 540),
-}
-
-# Variations per task and split for package versions other than the tabulated one, filled once per
-# process from a JVM (see variation_splits).
-_QUERIED_SPLITS: dict[str, dict[str, tuple[int, ...]]] = {}
-
 _HEAP_RE = re.compile(r"^[1-9][0-9]*[kKmMgG]?$")
 
 
-def task_names() -> list[str]:
-    """The package's 30 task names, in task-id order, read from its ``tasks.json`` (no JVM)."""
-    from scienceworld.constants import ID2TASK
-    from scienceworld.utils import infer_task
-
-    return [infer_task(name) for name in ID2TASK.values()]
-
-
-def query_splits(sw: Any) -> dict[str, dict[str, tuple[int, ...]]]:
-    """Ask a running simulator for every task's train/dev/test variations (~0.1 s a task).
-
-    Args:
-        sw: a ``scienceworld.ScienceWorldEnv`` (or subclass); its loaded task is replaced.
-    """
-    splits = {}
-    for name in sw.get_task_names():
-        sw.load(name, 0, "")
-        splits[name] = {
-            "train": tuple(sw.get_variations_train()),
-            "dev": tuple(sw.get_variations_dev()),
-            "test": tuple(sw.get_variations_test()),
-        }
-    return splits
-
-
-def variation_splits(task_type: str) -> dict[str, Sequence[int]]:
-    """The variation indices of ``task_type`` in each split, in the package's order.
-
-    Raises:
-        ConfigError: ``task_type`` is not a ScienceWorld task.
-    """
-    from scienceworld import __version__
-
-    if __version__ == _SPLITS_VERSION:
-        if task_type not in _SPLITS_1_2_3:
-            raise _unknown_task(task_type)
-        train_end, dev_end, total = _SPLITS_1_2_3[task_type]
-        return {"train": range(train_end), "dev": range(train_end, dev_end), "test": range(dev_end, total)}
-    if not _QUERIED_SPLITS:
-        logger.info("scienceworld %s: reading variation splits from a JVM (one-off)", __version__)
-        sw = capped_env_class()(ScienceWorldConfig().jvm_heap)
-        try:
-            _QUERIED_SPLITS.update(query_splits(sw))
-        finally:
-            sw.close()
-    if task_type not in _QUERIED_SPLITS:
-        raise _unknown_task(task_type)
-    return _QUERIED_SPLITS[task_type]
-
-
-def _unknown_task(task_type: str) -> ConfigError:
-    return ConfigError(f"unknown scienceworld task type {task_type!r}; known: {', '.join(task_names())}")
-
-
-class ScienceWorldEnv:
+class ScienceWorldEnv(EnvLifecycle):
     """One ScienceWorld simulator (one JVM, heap capped) that runs one episode at a time.
 
     Args:
@@ -283,15 +190,9 @@ class ScienceWorldEnv:
             raise RuntimeError("ScienceWorldEnv.valid_actions() before reset()")
         return list(self._server.getValidActionObjectCombinations())
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Stop the JVM (idempotent)."""
         self._sw.close()
-
-    def __enter__(self) -> ScienceWorldEnv:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _read_score(self) -> tuple[float, bool]:
         """(score on 0-100, done); a failed task (simulator score < 0) is done with score 0."""
@@ -310,47 +211,6 @@ class ScienceWorldEnv:
                 raise
             logger.warning("%s: action %r raised in the simulator: %s", self._task.id, action[:200], err)
             return INVALID_ACTION_OBSERVATION
-
-
-# Tasks the AgentGym sciworld server leaves out of its item list (ids 5-x, 9-x, 10-x).
-AGENTGYM_UNLISTED = (
-    "grow-plant", "grow-fruit", "inclined-plane-determine-angle", "inclined-plane-friction-named-surfaces",
-    "inclined-plane-friction-unnamed-surfaces", "mendelian-genetics-known-plant", "mendelian-genetics-unknown-plant",
-)  # fmt: skip
-
-
-def agentgym_item(task: TaskSpec) -> int:
-    """The AgentGym sciworld server's ``data_idx`` of ``task`` (its place in ``agentgym_sciworld_items``).
-
-    Raises:
-        ValueError: the server does not list the task (named).
-    """
-    from hamo_ray.envs.expert_ids import agentgym_sciworld_index
-
-    index = agentgym_sciworld_index().get((task.task, task.variation))
-    if index is None:
-        raise ValueError(f"{task.id}: the AgentGym sciworld server does not list this task")
-    return index
-
-
-class LocalGold:
-    """Gold paths from a local simulator for tasks played on a server: loaded with the server's
-    simplifications, one JVM (started on first use, closed with the environment)."""
-
-    def __init__(self, cfg: ScienceWorldConfig) -> None:
-        self.cfg = cfg
-        self._sw = None
-
-    def __call__(self, task: TaskSpec) -> list[str]:
-        if self._sw is None:
-            self._sw = capped_env_class()(self.cfg.jvm_heap)
-        self._sw.load(task.task, task.variation, self.cfg.server_simplifications, generateGoldPath=True)
-        return list(self._sw.get_gold_action_sequence())
-
-    def close(self) -> None:
-        if self._sw is not None:
-            self._sw.close()
-            self._sw = None
 
 
 @register_domain("scienceworld", config=ScienceWorldConfig)
@@ -419,21 +279,4 @@ class ScienceWorldDomain(Domain):
     def make_env(self):
         if self.sw.backend == "inprocess":
             return ScienceWorldEnv(self.cfg)
-        import importlib.util
-
-        from hamo_ray.envs.agentgym.client import AgentGymEnv
-        from hamo_ray.envs.agentgym.domains import file_expert
-        from hamo_ray.envs.agentgym.protocol import server_spec
-
-        expert = file_expert(self.cfg, self.name)
-        if expert is None and importlib.util.find_spec("scienceworld") is not None:
-            expert = LocalGold(self.sw)
-        return AgentGymEnv(
-            server_spec("sciworld"),
-            self.sw.url,
-            item_of=agentgym_item,
-            expert=expert,
-            max_envs=self.sw.max_envs,
-            setting="env.scienceworld.url",
-            timeout=self.sw.timeout_s,
-        )
+        return server_env(self.cfg)

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from hamo_ray.config import ConfigSection
-from hamo_ray.envs.base import Domain, StepResult, register_domain
+from hamo_ray.envs.base import Domain, EnvLifecycle, StepResult, register_domain
 from hamo_ray.types import TaskSpec
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ def clean_command(action: str) -> str:
     return _CONTROL.sub(" ", action).strip()[:_MAX_COMMAND_CHARS]
 
 
-class TextWorldEnv:
+class TextWorldEnv(EnvLifecycle):
     """One TextWorld game at a time; ``reset`` loads the task's game (generating it if needed).
 
     Args:
@@ -246,7 +246,7 @@ class TextWorldEnv:
             raise RuntimeError("TextWorldEnv.valid_actions() before reset()")
         return list(self._state["admissible_commands"])
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Stop the game's interpreter (idempotent)."""
         if self._env is not None:
             self._env.close()

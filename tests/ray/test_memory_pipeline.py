@@ -161,7 +161,7 @@ def _scienceworld_experts() -> list[Trajectory]:
     if shutil.which("java") is None:
         pytest.skip("ScienceWorld needs a Java runtime")
     from hamo_ray.config import EnvConfig
-    from hamo_ray.envs.base import get_domain
+    from hamo_ray.envs import get_domain
 
     domain, out = get_domain("scienceworld", EnvConfig()), []
     with domain.make_env() as env:

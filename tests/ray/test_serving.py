@@ -497,7 +497,7 @@ def test_rollouts_constrained_to_the_admissible_commands(server, published, weig
     from dataclasses import replace
 
     from hamo_ray.config import EnvConfig, PromptConfig
-    from hamo_ray.envs.base import get_domain
+    from hamo_ray.envs import get_domain
     from hamo_ray.prompting import action_regex
     from hamo_ray.rollout.client import PolicySpec
     from hamo_ray.rollout.worker import EnvWorker

@@ -26,6 +26,7 @@ from hamo_ray.config import (
 )
 from hamo_ray.config import env as env_module
 from hamo_ray.envs import base as envs_base
+from hamo_ray.envs import get_domain
 from hamo_ray.envs.base import Domain, register_domain
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -191,7 +192,7 @@ def test_a_domain_brings_its_own_section(monkeypatch):
             raise NotImplementedError
 
     cfg = load_config(overrides=["env.toyland.rooms=5"])
-    assert cfg.env.toyland.rooms == 5 and envs_base.get_domain("toyland", cfg.env).settings.rooms == 5
+    assert cfg.env.toyland.rooms == 5 and get_domain("toyland", cfg.env).settings.rooms == 5
     assert HamoConfig().env.toyland == ToyConfig()
     with pytest.raises(ConfigError, match="unknown config key 'env.toyland.doors'"):
         load_config(overrides=["env.toyland.doors=1"])

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from hamo_ray.config import ConfigError, EnvConfig
-from hamo_ray.envs.base import SPLITS, Env, get_domain
+from hamo_ray.envs import get_domain
+from hamo_ray.envs.base import SPLITS, Env
 from hamo_ray.envs.scienceworld import (
     INVALID_ACTION_OBSERVATION,
     ScienceWorldDomain,

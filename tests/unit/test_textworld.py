@@ -8,7 +8,7 @@ import pytest
 import textworld  # noqa: F401 - a required dependency (pyproject.toml): missing, this module fails, never skips
 
 from hamo_ray.config import ConfigError, EnvConfig
-from hamo_ray.envs.base import get_domain
+from hamo_ray.envs import get_domain
 from hamo_ray.envs.textworld import (
     SPLIT_SEEDS,
     TextWorldDomain,

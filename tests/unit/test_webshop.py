@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from hamo_ray.config import ConfigError, EnvConfig
-from hamo_ray.envs.base import get_domain
+from hamo_ray.envs import get_domain
 from hamo_ray.envs.webshop import WebShopDomain
 from hamo_ray.envs.webshop.catalog import CATEGORIES, build_catalog
 from hamo_ray.envs.webshop.client import REAL_SPLITS, WebShopHttpEnv

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hamo_ray.envs.agentgym.protocol import Payload, ServerSpec
-from hamo_ray.envs.base import StepResult
+from hamo_ray.envs.base import EnvLifecycle, StepResult
 from hamo_ray.types import TaskSpec
 
 logger = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ class ServerClient:
         self._http.close()
 
 
-class AgentGymEnv:
+class AgentGymEnv(EnvLifecycle):
     """One environment of an AgentGym server (see the module docstring).
 
     Args:
@@ -257,7 +257,7 @@ class AgentGymEnv:
     def valid_actions(self) -> list[str] | None:
         return self.spec.valid_actions(self._last)
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Close the server-side environment once (best effort) and release its slot (idempotent)."""
         if self._server.closed:
             return
@@ -272,9 +272,3 @@ class AgentGymEnv:
             closer = getattr(self._expert, "close", None)
             if closer is not None:
                 closer()
-
-    def __enter__(self) -> AgentGymEnv:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

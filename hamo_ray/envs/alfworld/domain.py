@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from hamo_ray.config import ConfigError, ConfigSection, EnvConfig
 from hamo_ray.envs.alfworld.generate import SPLIT_DIRS, TASK_TYPES, game_dir_prefix
-from hamo_ray.envs.base import Domain, StepResult, register_domain
+from hamo_ray.envs.base import Domain, EnvLifecycle, StepResult, register_domain
 from hamo_ray.types import TaskSpec
 
 logger = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ def _make_tw_env() -> Any:
     return AlfredInfos(AlfredDemangler(PddlEnv(infos), shuffle=False))
 
 
-class AlfWorldEnv:
+class AlfWorldEnv(EnvLifecycle):
     """One ALFWorld text game at a time, through the official ``PddlEnv`` + ALFWorld wrappers.
 
     Args:
@@ -286,14 +286,8 @@ class AlfWorldEnv:
             raise RuntimeError("AlfWorldEnv.valid_actions() before reset()")
         return list(self._state["admissible_commands"])
 
-    def close(self) -> None:
+    def _close(self) -> None:
         self._env.close()
-
-    def __enter__(self) -> AlfWorldEnv:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 @register_domain("alfworld", config=AlfWorldConfig)

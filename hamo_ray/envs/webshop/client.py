@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hamo_ray.envs.base import StepResult
+from hamo_ray.envs.base import EnvLifecycle, StepResult
 from hamo_ray.types import TaskSpec
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def _strip_instruction(text: str) -> str:
     return text.strip()
 
 
-class _RealWebShop:
+class _RealWebShop(EnvLifecycle):
     """Shared episode bookkeeping; subclasses implement the four ``_`` transport methods."""
 
     def __init__(self) -> None:
@@ -149,7 +149,7 @@ class WebShopTextEnv(_RealWebShop):
     def _available(self) -> dict[str, Any]:
         return self._env.get_available_actions()
 
-    def close(self) -> None:
+    def _close(self) -> None:
         self._env.close()
 
 
@@ -201,7 +201,7 @@ class WebShopHttpEnv(_RealWebShop):
     def _available(self) -> dict[str, Any]:
         return self._call("GET", "/available_actions", env_idx=self.env_idx)
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Release the server-side environment (best effort) and the connection (idempotent)."""
         if self._server.closed:
             return

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 
-from hamo_ray.envs.base import StepResult
+from hamo_ray.envs.base import EnvLifecycle, StepResult
 from hamo_ray.envs.webshop.catalog import Catalog
 from hamo_ray.envs.webshop.reward import Goal, get_reward
 from hamo_ray.types import TaskSpec
@@ -44,7 +44,7 @@ def parse_action(action: str) -> tuple[str, str | None]:
     return m.group(1).strip().lower(), m.group(2).strip().lower()
 
 
-class WebShopStandinEnv:
+class WebShopStandinEnv(EnvLifecycle):
     """One shopping session at a time over a shared generated ``Catalog``."""
 
     def __init__(self, catalog: Catalog) -> None:
@@ -170,7 +170,7 @@ class WebShopStandinEnv:
         search = ["search[<keywords>]"] if self._page == "search" else []
         return search + [f"click[{c}]" for c in self.clickables()]
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Nothing to release (the catalogue is shared)."""
 
     def _require_goal(self) -> Goal:
