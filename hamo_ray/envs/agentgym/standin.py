@@ -248,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         pass
     finally:
+        open_ids = sorted(server.open_ids)
+        print(f"AgentGym {args.env} stand-in: {server.created} environments created, "
+              f"{len(server.closed_ids)} closed, {len(open_ids)} left open {open_ids[:20]}", flush=True)  # fmt: skip
         server.stop()
 
 
