@@ -15,7 +15,7 @@ Methods (``method.*``) switch parts of the same loop on and off; there is no sec
 The constructor only validates (domains, task types, model path, run folder); the task lists,
 Ray, the servers and the training workers come in ``run``. Ray work is started from the stream
 (and from ``jobs/``) only; it blocks inside the handles that own that work (``EnvPool.run``: rollout
-actors, ``TrainerGroup``: training actors, the card pipeline of ``memory.pipeline``: Ray Data,
+actors, ``training.actors.TrainerGroup``: training actors, the card pipeline of ``memory.pipeline``: Ray Data,
 ``Services``: the Serve apps), never in a stage step itself. Usage::
 
     cfg = load_config("jobs/configs/tiny.yaml", ["train.epochs=1"])
