@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -242,6 +243,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     server = AgentGymStandin(BACKENDS[args.env](), args.host, args.port)
+
+    def interrupt(*_: object) -> None:  # SIGTERM (and SIGINT, which a background job ignores) end it cleanly
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
     print(f"AgentGym {args.env} stand-in at {server.url}", flush=True)
     try:
         server.httpd.serve_forever()
