@@ -259,3 +259,23 @@ def _relative(path: Path) -> str:
         return str(path.resolve().relative_to(Path.cwd()))
     except ValueError:
         return str(path)
+
+
+def play_gold(env, task, max_turns: int):
+    """One expert episode played in this process, as the rollout worker plays it without a policy: the
+    domain's gold plan, cut at ``max_turns``. Returns the ``Trajectory``."""
+    from hamo_ray.types import Trajectory
+
+    goal, init_obs = env.reset(task)
+    actions, observations, score, done = [], [], 0.0, False
+    for action in env.expert_actions()[:max_turns]:
+        step = env.step(action)
+        actions.append(action)
+        observations.append(step.observation)
+        score, done = step.score, step.done
+        if done:
+            break
+    return Trajectory(
+        task=task, goal=goal, init_obs=init_obs, actions=actions, observations=observations,
+        score=score, done=done, source="expert",
+    )  # fmt: skip

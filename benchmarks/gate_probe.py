@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import Results, add_json_argument
+from common import Results, add_json_argument, play_gold
 
 ROOT = Path(__file__).resolve().parents[1]
 # learning-smollm2-within.yaml's task types (the dev-split comparisons run on them)
@@ -76,25 +76,11 @@ def describe(values: Sequence[float]) -> dict[str, Any]:
 # -- the probe ----------------------------------------------------------------------------------------
 def gold_paths(domain, tasks, max_turns: int):
     """The train tasks' expert trajectories (played offline; kept as ``play_experts`` keeps them)."""
-    from hamo_ray.types import Trajectory
-
     env = domain.make_env()
     out = []
     try:
         for task in tasks:
-            goal, init_obs = env.reset(task)
-            actions, observations, score, done = [], [], 0.0, False
-            for action in env.expert_actions()[:max_turns]:
-                step = env.step(action)
-                actions.append(action)
-                observations.append(step.observation)
-                score, done = step.score, step.done
-                if done:
-                    break
-            traj = Trajectory(
-                task=task, goal=goal, init_obs=init_obs, actions=actions, observations=observations,
-                score=score, done=done, source="expert",
-            )  # fmt: skip
+            traj = play_gold(env, task, max_turns)
             if traj.actions and traj.score > 0:
                 out.append(traj)
     finally:
@@ -113,9 +99,12 @@ def dev_keys(domain, tasks) -> list[tuple[Any, str, str]]:
 
 def store_cards(trajs, mcfg, embedder, store) -> None:
     """Distil (``memory.pipeline.distil_batch``), embed and store the cards, as a stage does."""
-    from hamo_ray.memory.pipeline import _encode, distil_batch
+    from hamo_ray.memory.pipeline import distil_batch, encode_input
 
-    batch = {"row": np.arange(len(trajs)), "trajectory": np.array([_encode(t) for t in trajs], dtype=object)}
+    batch = {
+        "row": np.arange(len(trajs)),
+        "trajectory": np.array([encode_input(t) for t in trajs], dtype=object),
+    }
     cards = distil_batch(batch, 1, mcfg.distiller, mcfg)
     ok = cards["reject_reason"] == ""
     if not ok.all():

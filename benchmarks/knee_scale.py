@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import Results, add_json_argument
+from common import Results, add_json_argument, play_gold
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = ROOT / "docs" / "results" / "knee-scale.json"
@@ -307,23 +307,14 @@ def _play(item: tuple[int, dict]) -> tuple[int, str | None, str | None]:
         ``(index, trajectory JSON or None, error or None)``.
     """
     global _ENV
-    from hamo_ray.types import TaskSpec, Trajectory
+    from hamo_ray.types import TaskSpec
 
     index, spec = item
     task = TaskSpec.model_validate(spec)
     try:
         if _ENV is None:
             _ENV = _DOMAIN.make_env()
-        goal, init_obs = _ENV.reset(task)
-        plan = _ENV.expert_actions()
-        actions, observations, score, done = [], [], 0.0, False
-        for action in plan[:_MAX_TURNS]:
-            step = _ENV.step(action)
-            actions.append(action)
-            observations.append(step.observation)
-            score, done = step.score, step.done
-            if done:
-                break
+        traj = play_gold(_ENV, task, _MAX_TURNS)
     except Exception as exc:  # noqa: BLE001 - recorded; the simulator is replaced
         try:
             _ENV.close()
@@ -331,10 +322,6 @@ def _play(item: tuple[int, dict]) -> tuple[int, str | None, str | None]:
             pass
         _ENV = None
         return index, None, f"{type(exc).__name__}: {exc}"
-    traj = Trajectory(
-        task=task, goal=goal, init_obs=init_obs, actions=actions, observations=observations,
-        score=score, done=done, source="expert",
-    )  # fmt: skip
     return index, traj.model_dump_json(), None
 
 
@@ -373,7 +360,7 @@ def gold_paths(pool, tasks, workers: int) -> tuple[list, list[str], float]:
 
 def distil_and_embed(trajs, stage: int, mcfg, embedder, store) -> dict[str, float]:
     """The stage's cards distilled, embedded and stored in batches of ``memory.batch_size``; seconds per phase."""
-    from hamo_ray.memory.pipeline import _encode, distil_batch
+    from hamo_ray.memory.pipeline import distil_batch, encode_input
 
     seconds = {"distil_s": 0.0, "embed_s": 0.0, "store_s": 0.0}
     rejected = 0
@@ -381,7 +368,7 @@ def distil_and_embed(trajs, stage: int, mcfg, embedder, store) -> dict[str, floa
         chunk = trajs[start : start + mcfg.batch_size]
         batch = {
             "row": np.arange(start, start + len(chunk)),
-            "trajectory": np.array([_encode(t) for t in chunk], dtype=object),
+            "trajectory": np.array([encode_input(t) for t in chunk], dtype=object),
         }
         t0 = time.perf_counter()
         cards = distil_batch(batch, stage, mcfg.distiller, mcfg)

@@ -44,8 +44,8 @@ from hamo_ray.config.env import (
     EnvConfig,
     env_sections,
     register_env_section,
+    upgrade_env_layout,
 )
-from hamo_ray.config.env import upgrade_saved_config as _upgrade_env_layout
 from hamo_ray.config.experiment import (
     BackboneConfig,
     EvalConfig,
@@ -118,7 +118,7 @@ def upgrade_saved_config(data: dict[str, Any]) -> dict[str, Any]:
     default (the resume check and the sweep's staleness check assume so). ``data`` is not modified;
     upgrading an upgraded config changes nothing.
     """
-    data = _upgrade_env_layout(data)
+    data = upgrade_env_layout(data)
     if not isinstance(data, dict):
         return data
     out = dict(data)

@@ -15,7 +15,7 @@ settings without editing this module::
 Every registered domain has its section (its defaults where the file gives none). An unknown key is
 named (``env.scienceworld.heap``); a flat key of the old layout is refused naming its new place
 (``env.jvm_heap is now env.scienceworld.jvm_heap``). A saved config (a run folder's or a sweep
-export's ``config.yaml``) in the old layout is converted by ``upgrade_saved_config``.
+export's ``config.yaml``) in the old layout is converted by ``upgrade_env_layout`` (``hamo_ray.config.upgrade_saved_config`` calls it).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class EnvConfig(_Cfg):
         return sections[domain]
 
 
-def upgrade_saved_config(data: dict[str, Any]) -> dict[str, Any]:
+def upgrade_env_layout(data: dict[str, Any]) -> dict[str, Any]:
     """A saved config (a run folder's or a sweep export's ``config.yaml``, as a mapping) in today's layout.
 
     The flat ``env`` keys of the old layout move into their domain's section (``env.jvm_heap`` ->

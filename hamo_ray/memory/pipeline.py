@@ -145,7 +145,7 @@ def distil_batch(batch: dict[str, np.ndarray], stage: int, distiller: str, mcfg:
     return out
 
 
-def _encode(item: TrajectoryInput) -> bytes:
+def encode_input(item: TrajectoryInput) -> bytes:
     if isinstance(item, bytes | bytearray):
         return bytes(item)
     if isinstance(item, Trajectory):
@@ -181,7 +181,7 @@ def build_cards_dataset(
     """
     import ray.data
 
-    items = [{"row": i, "trajectory": _encode(t)} for i, t in enumerate(trajectories)]
+    items = [{"row": i, "trajectory": encode_input(t)} for i, t in enumerate(trajectories)]
     if store is not None:
         known = {i: t.card_id for i, t in enumerate(trajectories) if isinstance(t, Trajectory)}
         stored = store.existing_ids(list(known.values()))
