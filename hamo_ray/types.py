@@ -54,6 +54,10 @@ class Trajectory(_Frozen):
     source: str = "policy"  # "expert" (gold actions) or "policy" (the served model)
     model: str | None = None  # the served model name that acted, for policy episodes
     cards_used: list[str] = Field(default_factory=list)  # ids of the injected experience cards
+    # Cards the harness retrieved but did not inject: held back by the gate (``memory.gate_*``), and
+    # dropped by ``fit_cards`` to keep the prompt within ``prompt_budget``.
+    cards_withheld: int = 0
+    cards_dropped: int = 0
     policy_tokens: int = 0  # completion tokens the policy generated in this episode
     error: str | None = None
 
@@ -168,6 +172,10 @@ class StageResult(_Frozen):
     # LLM distiller failed to write, written by the deterministic one instead).
     distil: dict[str, float] = Field(default_factory=dict)
     released: list[str] = Field(default_factory=list)  # card ids this stage released (step 6)
+    # Step 5 with method.conditioning: the cards the training examples carried: injected, withheld (by
+    # the gate, memory.gate_*), same_world (cards of an example's own world, skipped). The cards of
+    # evaluation are in ``evaluation`` (cards_injected, cards_withheld, cards_dropped).
+    train_cards: dict[str, float] = Field(default_factory=dict)
 
     @classmethod
     def initial(

@@ -92,15 +92,20 @@ class PolicyClient:
     async def retrieve(self, goal: str, init_obs: str, domain: str | None = None) -> list[Card]:
         """Top-k experience cards for (goal, initial observation) from the harness (gated by the harness's
         ``memory.gate_*``; ``domain``, the episode's, for ``gate_same_domain``)."""
+        return (await self.recall(goal, init_obs, domain))[0]
+
+    async def recall(self, goal: str, init_obs: str, domain: str | None = None) -> tuple[list[Card], int]:
+        """``retrieve``'s cards and how many the harness's gate withheld."""
         if not self.spec.harness_url:
-            return []
+            return [], 0
         body = {"goal": goal, "init_obs": init_obs, "k": self.spec.top_k}
         if domain is not None:
             body["domain"] = domain
         resp = await self._http.post(f"{self.spec.harness_url}/retrieve", json=body)
         if resp.status_code != 200:
             raise RuntimeError(f"harness answered {resp.status_code}: {resp.text[:300]}")
-        return [Card.model_validate(c) for c in resp.json()["cards"]]
+        data = resp.json()
+        return [Card.model_validate(c) for c in data["cards"]], int(data.get("withheld", 0))
 
     async def aclose(self) -> None:
         await self._http.aclose()

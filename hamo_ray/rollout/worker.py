@@ -218,17 +218,14 @@ class EnvWorker:
             # Retrieved once per episode: every turn carries the same cards, as every training
             # example of a trajectory does (and cards_used records them).
             fits, start = await self._fits(client.spec), 0
-            cards = fit_cards(
-                goal,
-                init_obs,
-                await client.retrieve(goal, init_obs, task.domain),
-                pcfg,
-                domain=task.domain,
-                fits=fits,
-            )
+            retrieved, withheld = await client.recall(goal, init_obs, task.domain)
+            cards = fit_cards(goal, init_obs, retrieved, pcfg, domain=task.domain, fits=fits)
             turns = self.env_cfg.max_turns
             constrain = client.spec.constrain_actions and self.domain.lists_actions
-            extra = {"source": "policy", "model": client.spec.model, "cards_used": [c.id for c in cards]}
+            extra = {
+                "source": "policy", "model": client.spec.model, "cards_used": [c.id for c in cards],
+                "cards_withheld": withheld, "cards_dropped": len(retrieved) - len(cards),
+            }  # fmt: skip
         for turn in range(turns):
             if client is None:
                 action = plan[turn]

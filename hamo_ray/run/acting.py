@@ -179,6 +179,8 @@ def evaluate(
             )  # fmt: skip
         scores[domain] = sum(t.score for t in played) / len(played) if played else 0.0
         stats[f"episodes/{domain}"], stats[f"failed/{domain}"] = len(trajs), len(failed)
+        for key, n in _card_counts(played).items():  # injected, withheld by the gate, dropped to fit
+            stats[key] = stats.get(key, 0) + n
         episodes += len(trajs)
         n_failed += len(failed)
     stats |= {
@@ -191,3 +193,13 @@ def evaluate(
         stats["prefix_cache_hit_rate"] = rate
     logger.info("evaluate: %s", {k: round(v, 3) for k, v in stats.items()})
     return scores, stats
+
+
+def _card_counts(trajs: list[Trajectory]) -> dict[str, int]:
+    """The cards of played episodes: ``cards_injected``, ``cards_withheld`` (by the gate) and
+    ``cards_dropped`` (by ``fit_cards``), summed over episodes."""
+    return {
+        "cards_injected": sum(len(t.cards_used) for t in trajs),
+        "cards_withheld": sum(t.cards_withheld for t in trajs),
+        "cards_dropped": sum(t.cards_dropped for t in trajs),
+    }

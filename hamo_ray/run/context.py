@@ -10,7 +10,7 @@ place. The real parts: ``run.resources.EnvPools`` (pools), ``run.services.Endpoi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -110,6 +110,9 @@ class Adapter:
     path: str
     loss: float
     name: str | None = None
+    # The cards its training examples carried (``memory.recall.training_experience``'s tally): injected,
+    # withheld by the gate, same_world (cards of the example's own world, never retrieved in training).
+    cards: dict[str, float] = field(default_factory=dict)
 
 
 class Release(NamedTuple):

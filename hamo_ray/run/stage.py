@@ -95,6 +95,7 @@ def run_stage(ctx: StageContext, stage: int, domain: str, done: list[StageResult
         adapter=adapter.path if adapter else None, adapter_name=adapter.name if adapter else None,
         train_loss=adapter.loss if adapter else None, scores=scores, seconds=clock.seconds,
         evaluation=stats, release=released.figures, released=released.ids, distil=distilled,
+        train_cards=adapter.cards if adapter else {},
     )  # fmt: skip
 
 
@@ -222,7 +223,7 @@ def train(
         "train: losses %s, %d tokens in %.0fs (+%.1fs start-up)",
         [round(x, 3) for x in result.losses], result.tokens, result.seconds, result.startup_s,
     )  # fmt: skip
-    return Adapter(path=rel, loss=result.loss)
+    return Adapter(path=rel, loss=result.loss, cards={k: float(v) for k, v in counts.items()})
 
 
 def publish(ctx: StageContext, stage: int, adapter: Adapter, tag: str = "") -> Adapter:
@@ -264,4 +265,4 @@ def dpo(
         name=f"stage-{stage}-dpo",
     )  # fmt: skip
     ctx.tracker.log_steps(result.step_metrics, "dpo")
-    return Adapter(path=rel, loss=result.loss)
+    return Adapter(path=rel, loss=result.loss, cards=bc.cards)  # DPO pairs carry no cards

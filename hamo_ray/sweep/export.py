@@ -44,6 +44,7 @@ EPISODE_COLUMNS = (
     "error",
     "cards_used",
     "policy_tokens",
+    "cards_withheld",  # by the gate (memory.gate_*); 0 in episodes recorded before it was counted
 )
 
 
@@ -106,6 +107,7 @@ def episode_rows(path: Path, data: bytes) -> list[list[Any]]:
                 t.get("error") or "",
                 len(t.get("cards_used", [])),
                 t.get("policy_tokens", 0),
+                t.get("cards_withheld", 0),
             ]
         )
     return rows

@@ -125,12 +125,27 @@ def test_driver_killed_at_every_phase_ends_as_an_unfaulted_run(tmp_path):
     for t in (1, 2):  # the same data and selection as the unfaulted run
         for key in ("anchors", "replay", "released", "scores"):
             assert faulted[t][key] == clean[t][key], (t, key)
-        # and the same weights, up to CPU float reordering between two trainings (the names carry
-        # their exact hashes, checked against the files above)
-        assert (
-            _max_weight_diff(root / "clean" / clean[t]["adapter"], root / "faulted" / faulted[t]["adapter"])
-            < 1e-4
+        # and the same weights, up to what two unfaulted trainings of the same stage differ by on CPU
+        # (the names carry their exact hashes, checked against the files above)
+        diff = _max_weight_diff(
+            root / "clean" / clean[t]["adapter"], root / "faulted" / faulted[t]["adapter"]
         )
+        assert diff <= _nondeterminism_bound(t), (t, diff)
+
+
+LR = 2.0e-3  # jobs/configs/tiny.yaml's train.lr
+
+
+def _nondeterminism_bound(stage: int) -> float:
+    """How far two unfaulted trainings of stage ``stage`` may differ in any adapter weight.
+
+    Measured (2026-12-05, two clean runs of this test's command one after the other): 4.0e-3 at stage 1
+    and 8.0e-3 at stage 2, i.e. 2 x lr and 4 x lr, of weights up to 0.09. Adam moves a weight by about
+    lr a step whatever its gradient's size, so a near-zero gradient whose sign flips under CPU float
+    reordering moves it by 2 x lr the other way; a stage continues the previous adapter, so the spread
+    adds up. The bound is 3 x lr a stage: a real difference (other data, other cards, a stale adapter)
+    moves many weights by far more, and the rows, anchors and scores above must be equal anyway."""
+    return 3 * LR * stage
 
 
 def _max_weight_diff(a: Path, b: Path) -> float:

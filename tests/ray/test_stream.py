@@ -91,7 +91,17 @@ def test_every_request_carried_the_api_key(finished_run):
         committed = next(r.adapter_name for r in results if r.stage == stage)
         assert {e["model"] for e in episodes} == {committed}  # evaluated with the committed adapter
         used += [e["cards_used"] for e in episodes]
+        # the stage's record counts what its evaluation injected (and what the gate held back)
+        figures = next(r.evaluation for r in results if r.stage == stage)
+        assert figures["cards_injected"] == sum(len(e["cards_used"]) for e in episodes)
+        assert figures["cards_withheld"] == sum(e["cards_withheld"] for e in episodes)
     assert any(used)
+    # training (conditioned, stage 2 retrieves stage 1's cards) counted what its examples carried
+    assert results[1].train_cards["injected"] > 0 and set(results[1].train_cards) == {
+        "injected",
+        "withheld",
+        "same_world",
+    }
 
 
 def test_the_api_key_is_in_no_file_of_the_run_folder(finished_run):

@@ -123,3 +123,19 @@ def test_episodes_still_lost_fail_the_stage_naming_the_cause():
 )
 def test_fault_kinds(error, kind):
     assert fault_kind(error) == kind
+
+
+def test_the_cards_of_played_episodes_are_counted_injected_withheld_and_dropped():
+    class _CardPool(_Pool):
+        def run(self, tasks, spec, desc=""):
+            return [
+                t.model_copy(
+                    update={"cards_used": ["c"] * t.task.variation, "cards_withheld": 1, "cards_dropped": 2}
+                )
+                for t in super().run(tasks, spec, desc)
+            ]
+
+    pool = _CardPool({0: [(50.0, None)], 1: [(10.0, None)], 2: [(0.0, TOO_LONG)], 3: [(0.0, None)]})
+    _, stats = _evaluate(pool, 4)
+    # the failed episode (variation 2) is not counted: its prompt never reached the model
+    assert (stats["cards_injected"], stats["cards_withheld"], stats["cards_dropped"]) == (0 + 1 + 3, 3, 6)

@@ -103,7 +103,14 @@ def _finish(name: str, cfg, scores=(30.0, 40.0), episodes: bool = True) -> Path:
                 "scienceworld",
                 [
                     _episode(
-                        "find-living-thing", 3, 100.0, 4, done=True, cards_used=["c1", "c2"], policy_tokens=57
+                        "find-living-thing",
+                        3,
+                        100.0,
+                        4,
+                        done=True,
+                        cards_used=["c1", "c2"],
+                        policy_tokens=57,
+                        cards_withheld=3,
                     ),
                     _episode("lifespan-longest-lived", 7, 0.0, 0, error="env crashed\nat step 0"),
                 ],
@@ -160,6 +167,7 @@ def test_episodes_csv_has_one_row_per_episode(tmp_path):
         "error",
         "cards_used",
         "policy_tokens",
+        "cards_withheld",
     ]
     assert len(rows) == 4  # 2 stages x 2 episodes
     assert [r["stage"] for r in rows] == ["1", "1", "2", "2"]
@@ -176,6 +184,7 @@ def test_episodes_csv_has_one_row_per_episode(tmp_path):
         "error": "",
         "cards_used": "2",
         "policy_tokens": "57",
+        "cards_withheld": "3",
     }
     assert (
         failed["error"] == "env crashed\nat step 0" and failed["turns"] == "0" and failed["done"] == "False"
@@ -259,7 +268,7 @@ def test_a_run_folder_without_episodes_exports_an_empty_summary(tmp_path):
     name, cfg = cells[0]
     dest = export_cell(_finish(name, cfg, episodes=False), export_dir(results_dir(sweep), name))
     assert (dest / "episodes.csv").read_text().splitlines() == [
-        "stage,domain,split,task,variation,score,turns,done,error,cards_used,policy_tokens"
+        "stage,domain,split,task,variation,score,turns,done,error,cards_used,policy_tokens,cards_withheld"
     ]
     assert not (dest / "episodes").exists()
     other, other_cfg = cells[1]
