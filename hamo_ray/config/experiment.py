@@ -186,6 +186,12 @@ class ProtocolConfig(_Cfg):
     # from run.seed * 1000 + stage, as runs before this key did (saved configs without the key read as
     # legacy, so a resumed old run keeps its draws and its exported cells stay current).
     seeds: Literal["stage", "legacy"] = "stage"
+    # The evaluation splits' tasks (test, and dev for eval_seen). "all": the first test_per_task
+    # variations of each task type. "distinct": each task type takes the first test_per_task variations
+    # whose world (hamo_ray.memory.worlds) no earlier task type of the list took, so no two evaluation
+    # episodes play one world (ScienceWorld's lifespan types of one variation share their animals).
+    # ALFWorld's worlds are rooms, known only after a reset: its games are taken as "all".
+    eval_worlds: Literal["all", "distinct"] = "all"
 
     @model_validator(mode="after")
     def _check(self) -> ProtocolConfig:

@@ -63,7 +63,32 @@ def domain_tasks(cfg: HamoConfig, domains: dict, name: str, split: str) -> list[
     """``split``'s tasks of domain ``name``, task type by task type (``protocol.*_per_task`` each)."""
     key = "protocol.train_per_task" if split == "train" else "protocol.test_per_task"
     limit = cfg.per_domain(key, name)
-    return [t for tt in cfg.task_types(name) for t in domains[name].tasks(split, tt, limit=limit)]
+    if split == "train" or cfg.protocol.eval_worlds == "all" or name == "alfworld":
+        return [t for tt in cfg.task_types(name) for t in domains[name].tasks(split, tt, limit=limit)]
+    return distinct_worlds([domains[name].tasks(split, tt) for tt in cfg.task_types(name)], limit)
+
+
+def distinct_worlds(by_type: list[list[TaskSpec]], limit: int) -> list[TaskSpec]:
+    """``protocol.eval_worlds: distinct``: up to ``limit`` tasks of each list (a task type's, in order)
+    whose world (``hamo_ray.memory.worlds.world_of_task``) no task taken before shares."""
+    from hamo_ray.memory.worlds import world_of_task
+
+    taken, out = set(), []
+    for tasks in by_type:
+        kept = 0
+        for t in tasks:
+            if kept == limit:
+                break
+            if (w := world_of_task(t)) not in taken:
+                taken.add(w)
+                out.append(t)
+                kept += 1
+        if tasks and kept < limit:
+            logger.warning(
+                "protocol.eval_worlds=distinct: %s has %d %s tasks in worlds no earlier task type took, "
+                "not %d", tasks[0].task, kept, tasks[0].split, limit,
+            )  # fmt: skip
+    return out
 
 
 def stage_tasks(cfg: HamoConfig, domains: dict) -> list[list[TaskSpec]]:
