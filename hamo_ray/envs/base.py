@@ -85,6 +85,9 @@ class Domain(ABC):
     thread_safe: bool = True  # False: an actor steps its environments one call at a time
     # True: valid_actions() is cheap and short enough to constrain every reply to (rollout.constrain_actions)
     lists_actions: bool = False
+    # True: a task's world (hamo_ray.memory.worlds) follows from its spec, before playing it; False (ALFWorld,
+    # whose worlds are rooms told apart by the first observation): protocol.eval_worlds=distinct cannot apply
+    worlds_from_spec: bool = True
 
     def __init__(self, cfg: EnvConfig) -> None:
         self.cfg = cfg

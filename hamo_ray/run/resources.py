@@ -63,7 +63,7 @@ def domain_tasks(cfg: HamoConfig, domains: dict, name: str, split: str) -> list[
     """``split``'s tasks of domain ``name``, task type by task type (``protocol.*_per_task`` each)."""
     key = "protocol.train_per_task" if split == "train" else "protocol.test_per_task"
     limit = cfg.per_domain(key, name)
-    if split == "train" or cfg.protocol.eval_worlds == "all" or name == "alfworld":
+    if split == "train" or cfg.protocol.eval_worlds == "all" or not domains[name].worlds_from_spec:
         return [t for tt in cfg.task_types(name) for t in domains[name].tasks(split, tt, limit=limit)]
     return distinct_worlds([domains[name].tasks(split, tt) for tt in cfg.task_types(name)], limit)
 

@@ -58,3 +58,17 @@ def test_distinct_worlds_stops_short_when_a_type_runs_out_of_worlds():
 def test_an_unknown_value_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match="eval_worlds"):
         load_config(None, ["protocol.eval_worlds=some"])
+
+
+def test_a_domain_whose_worlds_need_a_reset_is_taken_as_with_all():
+    """ALFWorld's worlds are rooms, told apart by the first observation: ``distinct`` cannot apply."""
+    from hamo_ray.envs.alfworld.domain import AlfWorldDomain
+
+    assert AlfWorldDomain.worlds_from_spec is False
+    cfg = load_config(None, [f"env.task_types={TYPES}", "protocol.test_per_task=4"])
+    sw = get_domain("scienceworld", cfg.env)
+    sw.worlds_from_spec = False  # as ALFWorld's: no world known before a reset
+    distinct = load_config(
+        None, [f"env.task_types={TYPES}", "protocol.test_per_task=4", "protocol.eval_worlds=distinct"]
+    )
+    assert TaskLists(distinct, {"scienceworld": sw}).test == TaskLists(cfg, {"scienceworld": sw}).test

@@ -302,6 +302,7 @@ class AlfWorldDomain(Domain):
     # threads of one process corrupt each other ("pop from empty list"), so an actor steps one at a time.
     thread_safe = False
     lists_actions = True  # the admissible commands, computed on every step anyway (20-60 of them)
+    worlds_from_spec = False  # a world is a room, known from the first observation (hamo_ray.memory.worlds)
 
     def __init__(self, cfg: EnvConfig) -> None:
         super().__init__(cfg)
