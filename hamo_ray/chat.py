@@ -4,11 +4,16 @@
 blocks stripped; ``encode_chat`` renders messages with the tokenizer's chat template exactly as the
 server does; ``encode_example`` gives one training example's ids and its label mask (the reply's tokens
 only). ``hamo_ray.prompting`` builds the messages and re-exports these names.
+
+``model.chat_template`` replaces the model's own template on both sides: ``chat_template_text`` reads it
+(a built-in of ``hamo_ray/templates``, ``CHAT_TEMPLATES``, or a Jinja file), ``set_chat_template`` puts
+it on every tokenizer that renders prompts, and the server gets it as vLLM's ``chat_template``.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 _THINK_BLOCK = re.compile(r"<think>.*?</think>", re.S)
@@ -167,3 +172,33 @@ def encode_example(
     ids = prompt + target
     labels = [-100] * len(prompt) + target
     return ids, labels
+
+
+# Built-in chat templates (model.chat_template: NAME), package data under hamo_ray/templates.
+TEMPLATES_DIR = Path(__file__).parent / "templates"
+CHAT_TEMPLATES = {
+    # Qwen3's official template, every earlier reply rendered with the think block its prompt opened.
+    "qwen3-keep-think": "qwen3_keep_think.jinja",
+}
+
+
+def chat_template_file(value: str) -> Path:
+    """The file of a ``model.chat_template`` value: a built-in's (``CHAT_TEMPLATES``), else ``value`` as a
+    path (``~`` expanded, a relative one against the current directory). Whether it exists is not checked."""
+    if value in CHAT_TEMPLATES:
+        return TEMPLATES_DIR / CHAT_TEMPLATES[value]
+    return Path(value).expanduser().absolute()
+
+
+def chat_template_text(model_cfg: Any) -> str | None:
+    """The chat template ``model_cfg`` (a ``ModelConfig``) renders with: the text of its ``chat_template``
+    (a built-in name or a Jinja file); None: the model's own template (the tokenizer's)."""
+    value = getattr(model_cfg, "chat_template", None)
+    return None if value is None else chat_template_file(value).read_text()
+
+
+def set_chat_template(tokenizer: Any, text: str | None) -> Any:
+    """``tokenizer`` rendering with ``text`` (``chat_template_text``); None leaves its own template."""
+    if text is not None:
+        tokenizer.chat_template = text
+    return tokenizer

@@ -156,6 +156,10 @@ class HamoConfig(_Cfg):
             raise ValueError(
                 f"train.lora_r ({self.train.lora_r}) exceeds serve.max_lora_rank ({self.serve.max_lora_rank})"
             )
+        if "chat_template" in self.serve.engine_kwargs:  # the server alone would render with it
+            raise ValueError(
+                "serve.engine_kwargs.chat_template: set model.chat_template (training renders with it too)"
+            )
         domains = self.domains()
         for key in PER_DOMAIN_COUNTS:
             per_task = self._setting(key)

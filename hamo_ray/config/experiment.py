@@ -127,16 +127,47 @@ class ModelConfig(_Cfg):
     # Qwen3: off renders the empty think block in the prompt, so the model answers with the action.
     enable_thinking: bool = False
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # more template variables
+    # The chat template training and the server render with instead of the model's own (None): a
+    # built-in name (hamo_ray.chat.CHAT_TEMPLATES: qwen3-keep-think, Qwen3's template keeping each reply's
+    # think block, so a trajectory trains as one sequence) or a Jinja file (a relative path is taken
+    # against the current directory and kept absolute; every node must read it, as model.path).
+    chat_template: str | None = None
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_file(cls, value: str | None) -> str | None:
+        from hamo_ray.chat import CHAT_TEMPLATES, chat_template_file
+
+        if value is None or value in CHAT_TEMPLATES:
+            return value
+        path = chat_template_file(value)
+        if not path.is_file():
+            raise ValueError(
+                f"model.chat_template {value!r}: no file {path} and no built-in template of that name "
+                f"(built-in: {', '.join(sorted(CHAT_TEMPLATES))})"
+            )
+        return str(path)
 
     @model_validator(mode="after")
     def _check_template_kwargs(self) -> ModelConfig:
         if "enable_thinking" in self.chat_template_kwargs:
             raise ValueError("set model.enable_thinking, not model.chat_template_kwargs.enable_thinking")
+        if self.chat_template is not None and self.path == "embedded":
+            raise ValueError(
+                "model.chat_template does not apply to model.path=embedded (its tokenizer is trained with "
+                "its own template)"
+            )
         return self
 
     def template_kwargs(self) -> dict[str, Any]:
         """The chat template variables of this model: ``enable_thinking`` and ``chat_template_kwargs``."""
         return {"enable_thinking": self.enable_thinking, **self.chat_template_kwargs}
+
+    def template_text(self) -> str | None:
+        """The text of ``chat_template`` (``hamo_ray.chat.chat_template_text``); None: the model's own."""
+        from hamo_ray.chat import chat_template_text
+
+        return chat_template_text(self)
 
 
 class BackboneConfig(_Cfg):

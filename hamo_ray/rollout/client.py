@@ -30,6 +30,9 @@ class PolicySpec:
     # Chat template variables sent with every request (ModelConfig.template_kwargs(): enable_thinking,
     # ...), so the server renders exactly what training rendered, whatever its own defaults.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The template text the server renders with when model.chat_template is set (ModelConfig.template_text());
+    # the actors count prompt tokens with it. Never sent: the server has it (a request's own is refused).
+    chat_template: str | None = field(default=None, repr=False)
     # The context rule's prompt-token budget (model.max_model_len - rollout.max_tokens) and the tokenizer
     # folder it is counted with (the backbone's); None: only prompt.history_turns trims the history.
     tokenizer: str | None = None

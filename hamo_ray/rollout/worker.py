@@ -18,7 +18,8 @@ Prompts are built here, with ``hamo_ray.prompting.fit_messages`` (the context ru
 use: the whole history, trimmed oldest-first only when the prompt would outgrow the token budget,
 counted with the backbone's tokenizer and chat template) and the run's prompt config: the cards are
 retrieved from the harness once per episode and the same cards go into every turn, as in the training examples of that trajectory. The policy
-endpoint only renders the messages with the chat template (``chat_template_kwargs`` sent along),
+endpoint only renders the messages with the chat template (``chat_template_kwargs`` sent along; the
+actors count tokens with the spec's ``chat_template``, ``model.chat_template``, when set),
 so any OpenAI-compatible server (vLLM's own included) can serve rollouts. Replies are parsed in
 ``prompt.reply_format`` (``prompting.parse_reply``); react thoughts are kept in the trajectory. With
 ``rollout.constrain_actions`` each request carries a regex of the admissible commands (``action_regex``),
@@ -35,6 +36,7 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from hamo_ray.chat import set_chat_template
 from hamo_ray.config import EnvConfig, PromptConfig
 from hamo_ray.prompting import ChatRenderer, action_regex, fit_cards, fit_messages, parse_reply
 from hamo_ray.rollout.client import PolicyClient, PolicySpec
@@ -90,7 +92,7 @@ class EnvWorker:
         self._threads = n_envs + 2 if self.domain.thread_safe else 1
         self._executor = self._new_executor()
         self._slots = asyncio.Semaphore(n_envs)
-        self._renderers: dict[tuple, ChatRenderer] = {}  # (tokenizer folder, template kwargs, budget)
+        self._renderers: dict[tuple, ChatRenderer] = {}  # (tokenizer folder, template, its kwargs, budget)
         self._renderer_lock = asyncio.Lock()
 
     def _new_executor(self) -> ThreadPoolExecutor:
@@ -108,12 +110,14 @@ class EnvWorker:
         """``ChatRenderer.fits`` for the spec's tokenizer and budget (loaded once per actor); None: no limit."""
         if spec.tokenizer is None or spec.prompt_budget is None:
             return None
-        key = (spec.tokenizer, repr(sorted(spec.chat_template_kwargs.items())), spec.prompt_budget)
+        kwargs = repr(sorted(spec.chat_template_kwargs.items()))
+        key = (spec.tokenizer, spec.chat_template, kwargs, spec.prompt_budget)
         async with self._renderer_lock:  # loaded in a thread: the event loop keeps answering pings
             if key not in self._renderers:
                 from transformers import AutoTokenizer
 
                 tok = await asyncio.to_thread(AutoTokenizer.from_pretrained, spec.tokenizer)
+                set_chat_template(tok, spec.chat_template)  # model.chat_template, as the server renders
                 self._renderers[key] = ChatRenderer(tok, spec.chat_template_kwargs, spec.prompt_budget)
         return self._renderers[key].fits
 

@@ -14,11 +14,12 @@ Its second line says who can reach the endpoint (``serve.host``, whether an API 
    most history) and one inference prompt (``hamo_ray.prompting.build_messages`` + the chat template,
    as the rollout sends it), with injected cards where the method uses them (cards distilled from the
    same trajectory, ``memory.top_k`` of them, to size the block). Token counts are printed against
-   ``train.max_seq_len`` and ``model.max_model_len`` (minus ``rollout.max_tokens``). The tokenizer is
-   ``model.path``'s; the embedded backbone's tokenizer is trained when the backbone is first built, so
-   before that the prompts are shown with character counts only. The expert trajectory comes from the
-   expert file (``env.expert_source=file``) or from the simulator's expert plan of the loaded task
-   (its first action only: no step is run).
+   ``train.max_seq_len`` and ``model.max_model_len`` (minus ``rollout.max_tokens``), with the tokens the
+   trajectory's examples hold in all (``train.example_format``). The tokenizer is ``model.path``'s, with
+   ``model.chat_template`` when set; the embedded backbone's tokenizer is trained when the backbone is
+   first built, so before that the prompts are shown with character counts only. The expert trajectory
+   comes from the expert file (``env.expert_source=file``) or from the simulator's expert plan of the
+   loaded task (its first action only: no step is run).
 3. **Resources**: what the config asks for at its peak (the policy server stays up while a stage
    trains; one rollout pool per domain) against what the Ray cluster has (``ray.address`` /
    ``RAY_ADDRESS``, joined read-only) or, without one, this machine. A shortfall is printed, not
@@ -66,10 +67,15 @@ def _tokenizer(cfg: HamoConfig, out: Callable[[str], None]):
         path = str(built)
     out(f"tokenizer: {path}")
     from hamo_ray.backbones.sources import is_model_source, load_source_tokenizer
+    from hamo_ray.chat import set_chat_template
 
+    if cfg.model.chat_template is not None:  # training and the server render with it instead
+        out(f"chat template: model.chat_template {cfg.model.chat_template}")
     if is_model_source(path):  # a GGUF source: its converted folder's tokenizer, else the GGUF's own
-        return load_source_tokenizer(path, cfg.model.cache_dir)
-    return AutoTokenizer.from_pretrained(path)
+        tokenizer = load_source_tokenizer(path, cfg.model.cache_dir)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return set_chat_template(tokenizer, cfg.model.template_text())
 
 
 def _one_task(cfg: HamoConfig, name: str) -> tuple[Trajectory, Trajectory]:
@@ -130,12 +136,14 @@ def _render(cfg: HamoConfig, name: str, tokenizer, out: Callable[[str], None], r
                 expert, train_cards, tokenizer, pcfg, 10**9, kwargs, **example_options(cfg)
             )
             longest = max(len(e.input_ids) for e in examples)
+            total = sum(len(e.input_ids) for e in examples)  # what one epoch computes for this trajectory
             counts["train"] = longest
             last = examples[-1]
             over = [i for i, e in enumerate(examples) if len(e.input_ids) > cfg.train.max_seq_len]
             out(
                 f"--- training example {len(examples)}/{len(examples)} ({cfg.train.example_format} format): "
-                f"{len(last.input_ids)} tokens (longest {longest}) / train.max_seq_len {cfg.train.max_seq_len}"
+                f"{len(last.input_ids)} tokens (longest {longest}, {total} in all) / train.max_seq_len "
+                f"{cfg.train.max_seq_len}"
             )
             out(tokenizer.decode(last.input_ids))
             target = [t for t in last.labels if t != -100]

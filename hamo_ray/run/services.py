@@ -101,6 +101,7 @@ class Endpoint:
             seed=seed,
             api_key=self.api_key,
             chat_template_kwargs=cfg.model.template_kwargs(),
+            chat_template=cfg.model.template_text(),
             tokenizer=self.tokenizer,
             prompt_budget=cfg.prompt_budget,
             constrain_actions=cfg.rollout.constrain_actions,

@@ -103,6 +103,21 @@ def check_engine_kwargs(kwargs: dict[str, Any]) -> None:
         )
 
 
+def frontend_defaults(model: ModelConfig) -> dict[str, Any]:
+    """vLLM ``FrontendArgs`` that render chat as training does: string content, the run's template
+    variables (``model.template_kwargs()``) under each request's own, and ``model.chat_template``'s
+    text as the template when set (else the tokenizer's). ``serve.engine_kwargs`` may override the first
+    two; a ``chat_template`` there is refused by the config."""
+    front: dict[str, Any] = {
+        "chat_template_content_format": "string",
+        "default_chat_template_kwargs": model.template_kwargs() or None,
+    }
+    text = model.template_text()
+    if text is not None:
+        front["chat_template"] = text  # vLLM takes a template's text as well as a path
+    return front
+
+
 def start_engine(
     model_path,
     model: ModelConfig,
@@ -114,8 +129,9 @@ def start_engine(
     """Start vLLM's ``AsyncLLM`` as ``vllm serve`` does; returns ``(engine, args)``, ``args`` being the
     ``argparse.Namespace`` that vLLM's ``init_app_state`` / ``build_app`` read.
 
-    The frontend renders chat with the tokenizer's template, string content (as training does), and
-    the run's template variables (``model.template_kwargs()``) under each request's own.
+    The frontend renders chat with the tokenizer's template (``model.chat_template`` instead when set),
+    string content (as training does), and the run's template variables (``model.template_kwargs()``)
+    under each request's own (``frontend_defaults``).
     """
     device = detect_device()
     for key, value in engine_env(serve, device).items():
@@ -129,11 +145,7 @@ def start_engine(
     check_engine_kwargs(serve.engine_kwargs)
     kwargs = engine_kwargs(model_path, model, serve, max_lora_rank=max_lora_rank, device=device, lora=lora)
     front = {k: kwargs.pop(k) for k in list(kwargs) if k in _fields(FrontendArgs) - _fields(AsyncEngineArgs)}
-    front = {
-        "chat_template_content_format": "string",
-        "default_chat_template_kwargs": model.template_kwargs() or None,
-        **front,
-    }
+    front = {**frontend_defaults(model), **front}
     fields = {f.name: f for f in dataclasses.fields(AsyncEngineArgs)}
     for key, value in kwargs.items():  # nested configs from YAML, as vLLM's CLI parses them
         factory = getattr(fields.get(key), "default_factory", dataclasses.MISSING)
@@ -144,7 +156,8 @@ def start_engine(
         ):
             kwargs[key] = TypeAdapter(factory).validate_python(value)
     engine_args = AsyncEngineArgs(**kwargs)
-    logger.info("starting vLLM AsyncLLM on %s: %s, frontend %s", device, kwargs, front)
+    shown = {**front, "chat_template": model.chat_template} if "chat_template" in front else front
+    logger.info("starting vLLM AsyncLLM on %s: %s, frontend %s", device, kwargs, shown)
     usage = UsageContext.OPENAI_API_SERVER
     engine = AsyncLLM.from_vllm_config(
         engine_args.create_engine_config(usage_context=usage),

@@ -43,9 +43,14 @@ class StageTrainer:
 
     @cached_property
     def tokenizer(self) -> Any:
+        """The backbone's tokenizer, rendering with ``model.chat_template`` when set (as the server does)."""
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.model_path)
+        from hamo_ray.chat import set_chat_template
+
+        return set_chat_template(
+            AutoTokenizer.from_pretrained(self.model_path), self.cfg.model.template_text()
+        )
 
     def bc(
         self,

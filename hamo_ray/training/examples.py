@@ -13,7 +13,10 @@ history ``h_k`` kept by the context rule). Two formats compute it (``train.examp
 - ``step``: one example per action, the prompt re-encoded each time.
 
 The labels cover the reply tokens only (up to the end-of-turn token); both formats give the same
-summed loss when no history is trimmed (tested token for token).
+summed loss when no history is trimmed (tested token for token). A chat template that renders an
+earlier reply differently once later turns follow it (Qwen3's official one drops the think block its
+prompt opened) cannot give one sequence; ``model.chat_template: qwen3-keep-think`` renders Qwen3's
+replies as generated, on both sides, so it can (docs/prompting.md).
 """
 
 from __future__ import annotations
@@ -72,8 +75,9 @@ def trajectory_examples(
         The examples (one per segment, or one per action).
 
     A chat template that renders an earlier reply differently once later turns follow it (Qwen3's
-    think blocks) cannot hold every step's prompt in one sequence: such a trajectory falls back to one
-    example per action, with a warning.
+    official one: its think blocks) cannot hold every step's prompt in one sequence: such a trajectory
+    falls back to one example per action, with a warning (``model.chat_template: qwen3-keep-think``
+    is Qwen3's template without that difference).
     """
     renderer = ChatRenderer(tokenizer, chat_template_kwargs, budget)
     if budget is not None:  # the cards the rollout would have kept (the context rule's second half)
@@ -89,7 +93,8 @@ def trajectory_examples(
             _warn_once(
                 "the chat template renders an earlier reply differently once later turns follow it (Qwen3's "
                 "think blocks, for one), so a trajectory cannot train as one sequence: one example per action "
-                "instead (set train.example_format=step to say so)"
+                "instead (set train.example_format=step to say so; for Qwen3, model.chat_template: "
+                "qwen3-keep-think renders replies as generated and trains one sequence)"
             )
         rows = [(ids, labels, f"step {k}") for k, (_, ids, labels) in enumerate(steps)]
     out = []
