@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 from test_resume import OVERRIDES as RESUME_OVERRIDES  # tests/ray is on sys.path (rootdir conftest)
-from test_resume import ROOT, _kill_tree
+from test_resume import _kill_tree
+from test_resume import _start as _start_stream
 
 OVERRIDES = [
     *(o for o in RESUME_OVERRIDES if not o.startswith(("serve.port=", "serve.app_name="))),
@@ -32,25 +33,7 @@ ACTING = re.compile(r"acting as '([^']*stage-(\d+):([0-9a-f]{12}))' on merged we
 
 
 def _start(root: Path, log: Path, cache: Path):
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["HAMO_MERGED_CACHE"] = str(cache)
-    cmd = [
-        sys.executable,
-        str(ROOT / "jobs" / "stream.py"),
-        "--config",
-        str(ROOT / "jobs" / "configs" / "tiny.yaml"),
-        *OVERRIDES,
-        f"run.root={root}",
-        "run.id=r",
-        f"backbone.cache_dir={root / 'backbones'}",
-    ]
-    return subprocess.Popen(
-        cmd, stdout=log.open("a"), stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
-    )
+    return _start_stream(root, log, OVERRIDES, HAMO_MERGED_CACHE=str(cache))
 
 
 def _markers(cache: Path) -> list[dict]:
@@ -58,7 +41,7 @@ def _markers(cache: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.slow  # ~8 min on 2 cores: bash scripts/test.sh -m slow tests/ray/test_merged_resume.py
+@pytest.mark.slow  # ~6 min on 2 cores: bash scripts/test.sh -m slow tests/ray/test_merged_resume.py
 def test_stage_killed_during_merged_evaluation_resumes_on_its_own_weights(tmp_path):
     from hamo_ray.serving.objstore import folder_digest
 

@@ -29,23 +29,23 @@ OVERRIDES = [
 ]
 
 
-def _command(root: Path) -> list[str]:
+def _command(root: Path, overrides: list[str] = OVERRIDES) -> list[str]:
     return [
         sys.executable,
         str(ROOT / "jobs" / "stream.py"),
         "--config",
         str(ROOT / "jobs" / "configs" / "tiny.yaml"),
-        *OVERRIDES,
+        *overrides,
         f"run.root={root}",
         "run.id=r",
         f"backbone.cache_dir={root / 'backbones'}",
     ]
 
 
-def _start(root: Path, log: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+def _start(root: Path, log: Path, overrides: list[str] = OVERRIDES, **env_vars: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | env_vars
     return subprocess.Popen(
-        _command(root),
+        _command(root, overrides),
         stdout=log.open("a"),
         stderr=subprocess.STDOUT,
         env=env,
