@@ -300,9 +300,13 @@ class Services:
 
         if self.endpoint is None:
             raise RuntimeError("Services.acting before Services.start")
-        if name is None or name not in self.published or self.eval_weights() != "merged":
-            return self.endpoint
         scfg = self.cfg.serve
+        if self.eval_weights() != "merged":
+            return self.endpoint
+        if name is None and not scfg.merged_swap:  # the base on a second engine only if it stays up
+            return self.endpoint
+        if name is not None and name not in self.published:
+            return self.endpoint
         try:
             if self._merged is None:
                 from ray import serve
@@ -313,24 +317,32 @@ class Services:
                 mcfg = scfg.model_copy(update={"app_name": app, "route_prefix": route})
                 self._merged = MergedApp(
                     self._model_path or "", self.cfg.model, mcfg, self.adapter_root, scfg.max_lora_rank,
-                    scfg.publish_timeout_s,
+                    scfg.publish_timeout_s, swap=scfg.merged_swap, base_name=self.cfg.model.name,
                 )  # fmt: skip
-            url, direct = self._merged.ensure(name, self.published[name])
+            url, direct = self._merged.ensure(name, None if name is None else self.published[name])
+            served = self.cfg.model.name if name is None else name
             agree = probe_agreement(
-                self.endpoint.base_url, name, url, scfg.probe_prompt, scfg.probe_tokens, api_key=scfg.api_key
+                self.endpoint.base_url,
+                served,
+                url,
+                scfg.probe_prompt,
+                scfg.probe_tokens,
+                api_key=scfg.api_key,
             )
             if not agree["agree"]:
-                raise RuntimeError(f"merged and LoRA answers of {name!r} disagree: {agree}")
+                raise RuntimeError(f"merged and LoRA answers of {served!r} disagree: {agree}")
         except Exception:
-            logger.exception("acting as %r through LoRA on the run's endpoint (merged weights failed)", name)
-            self.stop_acting()
+            logger.exception("acting as %r on the run's endpoint (merged weights failed)", name)
+            self.stop_acting(force=True)
             return self.endpoint
         logger.info("acting as %r on merged weights at %s (probe: %s)", name, url, agree)
         return replace(self.endpoint, base_url=url, direct_url=direct)
 
-    def stop_acting(self) -> None:
-        """Delete the merged app (if one runs): its engine's memory goes back before the next stage."""
-        if self._merged is not None:
+    def stop_acting(self, force: bool = False) -> None:
+        """After a stage's acting: delete the merged app (if one runs), so its engine's memory goes back
+        before the next stage; an app that takes weights in place (``serve.merged_swap``) stays up for
+        the next stage unless ``force`` (it is deleted with the run's other apps by :meth:`stop`)."""
+        if self._merged is not None and (force or not self._merged.swap):
             self._merged.stop()
 
     def _served_path(self, local: Path) -> str:

@@ -53,6 +53,7 @@ from hamo_ray.serving.engine import DEFAULT_MAX_LORA_RANK, start_engine
 from hamo_ray.serving.guard import GuardMiddleware, GuardSettings
 from hamo_ray.serving.metrics import InflightMiddleware, ReplicaMetrics, RunningPeak
 from hamo_ray.serving.objstore import is_uri
+from hamo_ray.serving.weight_swap import EXTENSION as WEIGHT_SWAP_EXTENSION
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ TEMPLATE_CALL_ARGS = frozenset(
      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 )  # fmt: skip
+SWAPPING = "(weights loading)"  # the served name while a merged replica's weights change: matches no request
 GUARDED = [("openai_serving_chat", "create_chat_completion"), ("openai_serving_completion", "create_completion"),
            ("serving_tokenization", "create_tokenize")]  # fmt: skip
 
@@ -172,13 +174,19 @@ class PolicyServer:
         )
         self._merged = merged  # {"name", "path"}: this engine runs that adapter merged, without LoRA
         self._registry = AdapterRegistry(adapter_root, set() if merged else {model_cfg.name}, max_lora_rank)
-        if merged:  # model_cfg.name is the adapter's name (hamo_ray.serving.merged)
+        swap = bool(merged and merged.get("swap"))  # the engine takes each adapter's weights in place
+        self._base_path, self._weights = model_path, None
+        if merged and not swap:  # model_cfg.name is the adapter's name (hamo_ray.serving.merged)
             from hamo_ray.serving.merged import prepare_merged
 
-            model_path = await asyncio.to_thread(prepare_merged, self._registry, model_path, **merged)
+            model_path = await asyncio.to_thread(
+                prepare_merged, self._registry, model_path, name=merged["name"], path=merged["path"],
+                slot=merged.get("slot"),
+            )  # fmt: skip
         self._engine, self._args = start_engine(
-            model_path, model_cfg, serve_cfg, max_lora_rank=max_lora_rank, lora=not merged
-        )
+            model_path, model_cfg, serve_cfg, max_lora_rank=max_lora_rank, lora=not merged,
+            extension=WEIGHT_SWAP_EXTENSION if swap else None,
+        )  # fmt: skip
         tasks = await self._engine.get_supported_tasks()
         self._app = build_vllm_app(self._args, tasks, self._engine.model_config)  # as `vllm serve` does
         await init_app_state(self._engine, self._app.state, self._args, tasks)
@@ -194,6 +202,11 @@ class PolicyServer:
         self._metrics = ReplicaMetrics(self._own_metrics)
         self._host, self._direct_url = serve_cfg.host, None
         await self._adopt()
+        if swap and merged["name"] is not None:  # started from the base folder: the merge goes in first
+            await self._swap(merged["name"], merged["path"])
+        elif swap:  # the base weights, as the engine loaded them
+            self._weights = {"state": "loaded", "name": merged["base_name"], "folder": str(model_path)}
+            self._set_served(merged["base_name"])
 
     async def __serve_build_asgi_app__(self):
         from starlette.exceptions import HTTPException
@@ -243,9 +256,17 @@ class PolicyServer:
             self._engine.shutdown()
 
     async def check_health(self) -> None:
-        """Serve's periodic check: raises (Serve replaces the replica) if the engine died."""
-        await self._engine.check_health()
+        """Serve's periodic check: raises (Serve replaces the replica) if the engine died, or if an
+        in-place weight load failed half-way (its weights are a mix)."""
+        await self._check_engine()
         self._metrics.start()  # runs in the replica's loop: start publishing to the board
+
+    async def _check_engine(self) -> None:
+        await self._engine.check_health()
+        if self._weights is not None and self._weights.get("state") == "broken":
+            raise RuntimeError(
+                f"in-place weight load failed, the engine's weights are mixed: {self._weights}"
+            )
 
     def _own_metrics(self) -> str:
         from prometheus_client import generate_latest
@@ -289,6 +310,85 @@ class PolicyServer:
         logger.info("adapter %r (lora id %d) from %s: %s", name, lora.lora_int_id, resolved, status)
         return dict(lora_name=name, lora_path=str(resolved), lora_int_id=lora.lora_int_id, status=status)
 
+    async def swap(self, name: str | None, path: str | None = None) -> dict:
+        """Serve adapter ``name`` (at ``path``, inside the adapter root) merged into the base weights, or
+        the base weights (``name`` None, served as the base's name), loaded into this replica's running
+        engine in place (``hamo_ray.serving.weight_swap``). Only a merged replica started with ``swap``.
+
+        While the weights change, generation is paused (requests in flight finish first) and no name is
+        served (requests get 404); the prefix cache is cleared. The new name is served only after every
+        worker states it holds the folder just loaded, and, for a content-named stage adapter, that the
+        folder's marker names the adapter's digest. A failed load leaves the replica unhealthy
+        (``check_health`` raises: Serve replaces it).
+
+        Raises:
+            AdapterError: the registry refuses ``name``/``path``.
+            MergedWeightsError: not a swapping replica, or the load failed.
+        """
+        from hamo_ray.serving.merged import MergedWeightsError
+
+        if not (self._merged and self._merged.get("swap")):
+            raise MergedWeightsError("this replica does not take weights in place")
+        async with self._lock:
+            return await self._swap(name, path)
+
+    async def _swap(self, name: str | None, path: str | None) -> dict:
+        import time
+
+        from hamo_ray.serving.adapters import DIGEST_RE
+        from hamo_ray.serving.merged import MergedWeightsError, prepare_merged
+
+        t0 = time.monotonic()
+        if name is None:
+            folder, served = self._base_path, self._merged["base_name"]
+        else:
+            folder = await asyncio.to_thread(
+                prepare_merged, self._registry, self._base_path, name=name, path=str(path),
+                slot=self._merged.get("slot"),
+            )  # fmt: skip
+            served = name
+        merged_s = time.monotonic() - t0
+        self._set_served(SWAPPING)  # nothing is served while the weights change
+        self._weights = {"state": "loading", "folder": folder}
+        await self._engine.pause_generation(mode="wait", clear_cache=True)
+        try:
+            infos = await self._engine.collective_rpc("hamo_load_weights", args=(folder,))
+            await self._engine.reset_prefix_cache()
+            held = await self._engine.collective_rpc("hamo_weights")
+        except Exception as exc:
+            self._weights = {"state": "broken", "folder": folder, "error": repr(exc)}
+            raise MergedWeightsError(f"loading {folder} into the running engine failed: {exc!r}") from exc
+        finally:
+            await self._engine.resume_generation()
+        named = DIGEST_RE.search(name or "")
+        for worker in held:
+            digest = worker.get("marker", {}).get("adapter_digest", "")
+            if worker.get("folder") != str(folder) or (named and not digest.startswith(named.group(1))):
+                self._weights = {"state": "broken", "folder": folder, "error": f"worker holds {worker}"}
+                raise MergedWeightsError(f"after loading {folder} a worker states it holds {worker}")
+        self._weights = {
+            "state": "loaded",
+            "name": served,
+            "folder": str(folder),
+            "marker": held[0].get("marker"),
+        }
+        self._set_served(served)
+        info = {
+            "name": served, "folder": str(folder), "merge_s": round(merged_s, 2),
+            "load_s": round(max(i["seconds"] for i in infos), 2), "kernels": infos[0]["kernels"],
+            "seconds": round(time.monotonic() - t0, 2),
+        }  # fmt: skip
+        logger.info("weights in place: %s", info)
+        return info
+
+    def _set_served(self, name: str) -> None:
+        """Serve the engine's weights under ``name`` (and no other)."""
+        from vllm.entrypoints.openai.models.protocol import BaseModelPath
+
+        self._base = name
+        # in place: vLLM's model registry and the serving objects share this one list
+        self._models.base_model_paths[:] = [BaseModelPath(name=name, model_path=str(self._base_path))]
+
     async def load_lora_adapter(self, body: LoadLoRARequest):
         try:
             return await self.load_adapter(body.lora_name, body.lora_path)
@@ -301,10 +401,13 @@ class PolicyServer:
 
     async def health(self):
         try:
-            await self._engine.check_health()
+            await self._check_engine()
         except Exception as exc:
             return _error(f"engine unhealthy: {exc}", 503)
-        return dict(status="ok", model=self._base, instance=self._instance, direct_url=self._direct_url)
+        out = dict(status="ok", model=self._base, instance=self._instance, direct_url=self._direct_url)
+        if self._weights is not None:  # a swapping merged replica: which folder's weights it holds
+            out["weights"] = {k: v for k, v in self._weights.items() if k != "marker"}
+        return out
 
     async def metrics(self):
         """Every replica's Prometheus page, each sample labelled ``replica`` (``ReplicaMetrics``)."""
@@ -325,7 +428,9 @@ def build_app(
     """The Serve application of the policy endpoint, sized by ``serve_cfg``; pass it to ``serve.run``.
 
     ``merged={"name", "path"}``: the replicas serve that adapter (a path inside ``adapter_root``) merged
-    into the base weights, without LoRA, as ``model_cfg.name`` (``hamo_ray.serving.merged``).
+    into the base weights, without LoRA, as ``model_cfg.name`` (``hamo_ray.serving.merged``); with
+    ``"swap": True`` (and ``"base_name"``) each replica's engine starts from the base folder, loads the
+    merge in place, and takes other adapters (or the base weights) through ``PolicyServer.swap``.
 
     GPUs per replica: ``serve_cfg.num_gpus`` when set, else ``tensor_parallel_size`` when the Ray
     cluster has GPUs, else none (CPU).

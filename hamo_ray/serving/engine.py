@@ -125,9 +125,11 @@ def start_engine(
     *,
     max_lora_rank=DEFAULT_MAX_LORA_RANK,
     lora: bool = True,
+    extension: str | None = None,
 ):
     """Start vLLM's ``AsyncLLM`` as ``vllm serve`` does; returns ``(engine, args)``, ``args`` being the
-    ``argparse.Namespace`` that vLLM's ``init_app_state`` / ``build_app`` read.
+    ``argparse.Namespace`` that vLLM's ``init_app_state`` / ``build_app`` read. ``extension``: vLLM's
+    ``worker_extension_cls`` (``hamo_ray.serving.weight_swap``: weights loaded in place).
 
     The frontend renders chat with the tokenizer's template (``model.chat_template`` instead when set),
     string content (as training does), and the run's template variables (``model.template_kwargs()``)
@@ -144,6 +146,8 @@ def start_engine(
 
     check_engine_kwargs(serve.engine_kwargs)
     kwargs = engine_kwargs(model_path, model, serve, max_lora_rank=max_lora_rank, device=device, lora=lora)
+    if extension is not None:
+        kwargs["worker_extension_cls"] = extension
     front = {k: kwargs.pop(k) for k in list(kwargs) if k in _fields(FrontendArgs) - _fields(AsyncEngineArgs)}
     front = {**frontend_defaults(model), **front}
     fields = {f.name: f for f in dataclasses.fields(AsyncEngineArgs)}

@@ -172,8 +172,20 @@ def _is_weight_file(file: Path) -> bool:
     return file.suffix in (".safetensors", ".bin", ".pt", ".gguf") or file.name.endswith(".index.json")
 
 
+SLOT_MAX_AGE_S = 24 * 3600  # an app's slot folder untouched this long is removed (see _prune)
+
+
 def _prune(cache: Path, keep: int, current: Path) -> None:
-    """Remove all but the ``keep`` newest merged folders of ``cache`` (never ``current``)."""
+    """Remove all but the ``keep`` newest merged folders of ``cache`` (never ``current``), and the slot
+    folders (``slot-<app>``) of other apps not written for ``SLOT_MAX_AGE_S``: an engine reads its
+    folder only when it starts or loads weights in place, and a slot found missing is merged again."""
+    now = time.time()
+    for slot in cache.glob("slot-*"):
+        try:
+            if slot != current and now - slot.stat().st_mtime > SLOT_MAX_AGE_S:
+                shutil.rmtree(slot, ignore_errors=True)
+        except OSError:  # removed by another run's prune
+            continue
     folders = sorted(
         (p for p in cache.iterdir() if p.is_dir() and not p.name.startswith((".", "slot-")) and p != current),
         key=lambda p: p.stat().st_mtime,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -71,6 +71,12 @@ class MergedApp:
     ``ensure(name, path)`` serves adapter ``name`` (``path`` as publishing gave it: inside the adapter
     root) merged, replacing whatever the app served, and checks the engine states ``name``; ``stop()``
     deletes the app. Returns ``(url, direct_url)``: Serve's route and the replica's own port.
+
+    ``swap`` (``serve.merged_swap``, one replica): the app's engine starts once, from the base folder,
+    and each later adapter's merged weights are loaded into it in place (``PolicyServer.swap``, a few
+    seconds); a failed swap deploys the app again (a new engine from the merged folder's weights).
+    ``ensure(None, None)`` serves the base weights as ``base_name``. Without ``swap`` every adapter gets
+    a new deployment (an engine started from its merged folder).
     """
 
     model_path: str
@@ -79,21 +85,49 @@ class MergedApp:
     adapter_root: str
     max_lora_rank: int
     timeout_s: float = 600.0
-    serving: str | None = None  # the adapter name the app was deployed for
+    swap: bool = False
+    base_name: str = ""
+    serving: str | None = None  # the name the app serves (an adapter's, or base_name)
     url: str | None = None
     direct: str | None = None
+    swaps: list = field(default_factory=list)  # each in-place load's timings (PolicyServer.swap)
 
-    def ensure(self, name: str, path: str) -> tuple[str, str | None]:
-        if self.serving == name and self.url is not None:
+    def ensure(self, name: str | None, path: str | None) -> tuple[str, str | None]:
+        served = name if name is not None else self.base_name
+        if self.serving == served and self.url is not None:
             try:
-                check_serves(self.url, name, api_key=self.serve_cfg.api_key)
+                check_serves(self.url, served, api_key=self.serve_cfg.api_key)
                 return self.url, self.direct
             except MergedWeightsError as exc:  # replaced replica, or someone else's app: redeploy
                 logger.warning("%s; deploying it again", exc)
+        elif self.url is not None and self.swap and self.serve_cfg.num_replicas == 1:
+            try:
+                self.swap_to(name, path)
+                return self.url, self.direct
+            except Exception as exc:  # noqa: BLE001 (any failure: a fresh engine is always right)
+                logger.warning(
+                    "in-place weights of %r failed (%r); deploying the merged app again", served, exc
+                )
+        if name is None and not self.swap:
+            raise MergedWeightsError("the base weights are served merged only by a swapping app")
         self.deploy(name, path)
         return self.url, self.direct
 
-    def deploy(self, name: str, path: str) -> None:
+    def swap_to(self, name: str | None, path: str | None) -> None:
+        """Load ``name``'s merged weights (the base weights for None) into the running app's engine."""
+        from ray import serve
+
+        t0, served = time.monotonic(), name if name is not None else self.base_name
+        self.serving = None
+        handle = serve.get_app_handle(self.serve_cfg.app_name)
+        info = handle.swap.remote(name, path).result(timeout_s=self.timeout_s)
+        check_serves(self.url, served, api_key=self.serve_cfg.api_key)
+        self.serving = served
+        self.swaps.append({**info, "wall_s": round(time.monotonic() - t0, 2)})
+        logger.info("merged weights of %r loaded in place at %s in %.1fs: %s", served, self.url,
+                    time.monotonic() - t0, info)  # fmt: skip
+
+    def deploy(self, name: str | None, path: str | None) -> None:
         from ray import serve
 
         from hamo_ray.serving.app import build_app
@@ -101,16 +135,20 @@ class MergedApp:
         from hamo_ray.serving.deploy import running_http
 
         t0, scfg, instance = time.monotonic(), self.serve_cfg, uuid.uuid4().hex
+        served = name if name is not None else self.base_name
         self.serving = None
         app = build_app(
             self.model_path,
-            self.model_cfg.model_copy(update={"name": name}),
+            self.model_cfg.model_copy(update={"name": served}),
             scfg,
             self.adapter_root,
             self.max_lora_rank,
             instance,
-            merged={"name": name, "path": str(path), "slot": scfg.app_name},
-        )
+            merged={
+                "name": name, "path": None if path is None else str(path), "slot": scfg.app_name,
+                "swap": self.swap, "base_name": self.base_name,
+            },
+        )  # fmt: skip
         serve.run(
             app,
             name=scfg.app_name,
@@ -123,8 +161,8 @@ class MergedApp:
             wait_healthy(url, self.timeout_s, instance, api_key=scfg.api_key)
         except Exception as exc:
             raise MergedWeightsError(f"merged engine for {name!r} did not come up: {exc}") from exc
-        check_serves(url, name, api_key=scfg.api_key)
-        self.url, self.serving = url, name
+        check_serves(url, served, api_key=scfg.api_key)
+        self.url, self.serving = url, served
         self.direct = direct_url(url, api_key=scfg.api_key) if scfg.num_replicas == 1 else None
         logger.info("merged weights of %r served at %s after %.1fs", name, url, time.monotonic() - t0)
 

@@ -318,3 +318,58 @@ def test_merged_weights_answer_as_the_adapter_and_the_base_stays_the_base(server
             assert r.status_code == 400
     finally:
         merged.stop()
+
+
+@pytest.mark.slow  # ~3 min on 2 cores: a second engine starts once (inductor compile), then swaps
+def test_merged_weights_swap_in_place(server, folder, adapter_root):
+    """serve.merged_swap (the default with merged weights): the merged app's engine starts ONCE, from the
+    base folder, and each adapter's merged weights are loaded into it in place (vLLM-CPU's packed oneDNN
+    weights rebuilt; hamo_ray/serving/weight_swap.py). After each load the engine answers as that
+    adapter does through LoRA on the run's endpoint (greedy: same tokens, logprobs within tolerance),
+    states only that adapter's name (the previous one gets 404), and, loaded back with the base weights,
+    answers exactly as the base model on the run's endpoint."""
+    import httpx
+
+    from hamo_ray.naming import merged_app_names
+    from hamo_ray.serving import publish_adapter
+    from hamo_ray.serving.client import greedy_probe
+    from hamo_ray.serving.merged import AGREEMENT_TOLERANCE
+    from hamo_ray.serving.merged_app import MergedApp, check_serves, probe_agreement
+    from hamo_ray.serving.objstore import folder_digest
+
+    names = []
+    for stage, seed in ((1, 11), (2, 12)):
+        path = _random_adapter(folder, adapter_root / f"stage-swap-{stage}", seed=seed)
+        names.append((f"stage-{stage}:{folder_digest(path)[:12]}", str(path)))
+        publish_adapter(server, *names[-1], SERVE.probe_prompt, SERVE.probe_tokens)
+    prompts = [SERVE.probe_prompt, f"{TRAJ.goal} {TRAJ.init_obs} What do you do first?"]
+    app, route = merged_app_names(SERVE.app_name + "-swap", "/smollm2-swap")
+    merged = MergedApp(str(folder), MODEL, SERVE.model_copy(update={"app_name": app, "route_prefix": route}),
+                       str(adapter_root), SERVE.max_lora_rank, swap=True, base_name=MODEL.name)  # fmt: skip
+    try:
+        for i, (name, path) in enumerate(names):
+            url, _ = merged.ensure(name, path)
+            assert len(merged.swaps) == i  # the first adapter went in at start-up, the second in place
+            check_serves(url, name)
+            for prompt in prompts:
+                agree = probe_agreement(server, name, url, prompt, 24)
+                assert agree["tokens_equal"], agree
+                assert agree["max_logprob_diff"] <= AGREEMENT_TOLERANCE, agree
+        with httpx.Client(timeout=600) as client:
+            gone = client.post(
+                f"{url}/v1/completions", json={"model": names[0][0], "prompt": "x", "max_tokens": 1}
+            )
+            assert gone.status_code == 404, gone.text  # the first adapter's weights are gone: its name too
+            health = client.get(f"{url}/health").json()
+            assert health["model"] == names[1][0] and health["weights"]["state"] == "loaded", health
+            url, _ = merged.ensure(None, None)  # the base weights back into the same engine
+            assert len(merged.swaps) == 2 and merged.swaps[-1]["load_s"] < 60, merged.swaps
+            check_serves(url, MODEL.name)
+            for prompt in prompts:
+                base = greedy_probe(client, server, MODEL.name, prompt, 24)
+                back = greedy_probe(client, url, MODEL.name, prompt, 24)
+                assert back["tokens"] == base["tokens"], (back, base)
+                diff = max(abs(a - b) for a, b in zip(back["logprobs"], base["logprobs"], strict=True))
+                assert diff <= AGREEMENT_TOLERANCE, diff
+    finally:
+        merged.stop()

@@ -217,8 +217,8 @@ def _services(tmp_path, *overrides, shared=None):
 
 
 class _FakeMerged:
-    def __init__(self, fail=False):
-        self.fail, self.ensured, self.stopped = fail, [], 0
+    def __init__(self, fail=False, swap=False):
+        self.fail, self.ensured, self.stopped, self.swap = fail, [], 0, swap
 
     def ensure(self, name, path):
         if self.fail:
@@ -232,9 +232,9 @@ class _FakeMerged:
 
 def test_acting_picks_merged_weights_only_for_a_published_adapter(tmp_path, monkeypatch):
     monkeypatch.setattr(MA, "probe_agreement", lambda *a, **k: {"agree": True})
-    services = _services(tmp_path, "serve.eval_weights=merged")
+    services = _services(tmp_path, "serve.eval_weights=merged", "serve.merged_swap=false")
     services._merged = fake = _FakeMerged()
-    assert services.acting(None) is services.endpoint  # the base model
+    assert services.acting(None) is services.endpoint  # the base model (no engine kept for it)
     assert services.acting("stage-1:abc") is services.endpoint  # not published by this run
     services.published["stage-1:abc"] = "/adapters/stage-1"
     got = services.acting("stage-1:abc")
@@ -247,6 +247,22 @@ def test_acting_picks_merged_weights_only_for_a_published_adapter(tmp_path, monk
     lora = _services(tmp_path / "b", "serve.eval_weights=adapter")
     lora.published["stage-1:abc"] = "/adapters/stage-1"
     assert lora.acting("stage-1:abc") is lora.endpoint
+
+
+def test_a_swapping_merged_app_also_plays_the_base_and_stays_up_between_stages(tmp_path, monkeypatch):
+    monkeypatch.setattr(MA, "probe_agreement", lambda *a, **k: {"agree": True})
+    services = _services(tmp_path, "serve.eval_weights=merged")  # serve.merged_swap: true by default
+    assert services.cfg.serve.merged_swap
+    services._merged = fake = _FakeMerged(swap=True)
+    assert services.acting(None).base_url == "http://h:1/r/merged"  # the base weights, on the fast engine
+    assert services.acting("stage-1:abc") is services.endpoint  # not published by this run
+    services.published["stage-1:abc"] = "/adapters/stage-1"
+    assert services.acting("stage-1:abc").base_url == "http://h:1/r/merged"
+    assert fake.ensured == [(None, None), ("stage-1:abc", "/adapters/stage-1")]
+    services.stop_acting()  # after the evaluation: kept for the next stage
+    assert fake.stopped == 0
+    services.stop_acting(force=True)
+    assert fake.stopped == 1
 
 
 def test_acting_falls_back_to_lora_when_merged_weights_fail_or_disagree(tmp_path, monkeypatch):
@@ -305,3 +321,18 @@ def test_a_following_server_retries_an_adapter_not_proven_live_with_backoff(tmp_
         monkeypatch.setattr(fresh.folder, "stages", lambda: [result])
         monkeypatch.setattr(fresh, "publish", publish)
         fresh.publish_committed(strict=True)
+
+
+def test_slots_of_other_apps_untouched_for_a_day_are_pruned(tmp_path):
+    import os
+    import time
+
+    old, fresh, current = (tmp_path / f"slot-{n}" for n in ("old", "fresh", "current"))
+    for folder in (old, fresh, current):
+        folder.mkdir()
+        (folder / M.MARKER).write_text("{}")
+    day_ago = time.time() - M.SLOT_MAX_AGE_S - 60
+    os.utime(old, (day_ago, day_ago))
+    os.utime(current, (day_ago, day_ago))
+    M._prune(tmp_path, 2, current)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["slot-current", "slot-fresh"]
