@@ -202,8 +202,10 @@ class Services:
         policy_app, policy_route, harness_app, route = self.app_names()
         wanted = [n for n in (harness_app if self.harness else None, policy_app) if n]
         # Refused before anything is deployed: an app of one of these names that this job did not create.
-        claim_apps(wanted, self.folder.path / APPS_FILE, cluster_id(), serve.status().applications)
+        running = serve.status().applications
+        claim_apps(wanted, self.folder.path / APPS_FILE, cluster_id(), running)
         self._created = wanted
+        self._delete_leftovers(set(wanted), running)
         if self.owns_endpoint:  # before any app: the HTTP proxy takes serve.host:port
             start_serve(scfg)
         if self.harness:
@@ -286,6 +288,27 @@ class Services:
 
             gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
         return resolve_eval_weights(scfg.eval_weights, gpus=gpus)
+
+    def _delete_leftovers(self, wanted: set[str], running) -> None:
+        """Delete the apps a killed attempt of this run folder left that this job does not deploy at start
+        (its merged-weights app): they would hold their replicas' CPUs and memory until the run reaches
+        a stage acting on merged weights again, or forever if it does not (a resumed sweep cell)."""
+        from ray import serve
+
+        from hamo_ray.naming import AppExistsError, leftovers, read_record, release_apps
+
+        record_file = self.folder.path / APPS_FILE
+        record, cluster = read_record(record_file), cluster_id()
+        for name in (n for n in record if n not in wanted):
+            try:
+                stale = leftovers([name], running, record, cluster)
+            except AppExistsError as exc:  # held by a live job: not ours to delete
+                logger.warning("not deleting %r recorded in %s: %s", name, record_file, exc)
+                continue
+            if stale:
+                logger.warning("deleting Serve app %r left by a killed job on this run folder", name)
+                serve.delete(name)
+            release_apps([name], record_file)  # deleted now, or no longer running
 
     def acting(self, name: str | None) -> Endpoint:
         """The endpoint a stage's rollouts act on as served ``name`` (None: the base model).

@@ -336,3 +336,27 @@ def test_slots_of_other_apps_untouched_for_a_day_are_pruned(tmp_path):
     os.utime(current, (day_ago, day_ago))
     M._prune(tmp_path, 2, current)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["slot-current", "slot-fresh"]
+
+
+def test_a_killed_attempts_merged_app_is_deleted_when_the_run_starts_again(tmp_path, monkeypatch):
+    """A cell killed during a merged evaluation leaves its merged app (2 CPUs held); the resumed cell may
+    not act on merged weights again, so its start deletes it (and only apps of dead jobs of this folder)."""
+    import os
+    import socket
+
+    from ray import serve
+
+    from hamo_ray.naming import read_record, write_record
+    from hamo_ray.run import services as S
+
+    services = _services(tmp_path, "serve.eval_weights=merged")
+    record_file = services.folder.path / S.APPS_FILE
+    dead = {"cluster": "c1", "host": socket.gethostname(), "pid": 2**22 + 12345, "since": 0.0}
+    live = {**dead, "pid": os.getpid()}
+    write_record(record_file, {"r-merged": dead, "r-other": live, "r-gone": dead, "r": dead})
+    monkeypatch.setattr(S, "cluster_id", lambda: "c1")
+    deleted = []
+    monkeypatch.setattr(serve, "delete", deleted.append)
+    services._delete_leftovers({"r"}, ["r", "r-merged", "r-other"])
+    assert deleted == ["r-merged"]  # r-other: a live job's; r-gone: not running; r: redeployed now
+    assert sorted(read_record(record_file)) == ["r", "r-other"]
