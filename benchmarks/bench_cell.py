@@ -3,8 +3,9 @@
     python benchmarks/bench_cell.py [--config jobs/configs/learning-smollm2-within.yaml]
         [--method hamo] [--seed 0] [--modes adapter,merged] [override ...]
 
-Runs ``jobs/stream.py`` once per ``serve.eval_weights`` mode (default: ``adapter``, today's default,
-then ``merged``), one after the other, each in a fresh run folder under ``--root`` and its own Ray,
+Runs ``jobs/stream.py`` once per mode (default: ``adapter``, the adapter through LoRA, then ``merged``,
+merged weights loaded in place into one running engine; ``merged-restart``: an engine started per
+stage from the merged folder, ``serve.merged_swap=false``; ``auto``), one after the other, each in a fresh run folder under ``--root`` and its own Ray,
 with the same config, method and seed. Prints each run's wall time (the whole process: Ray's start,
 the backbone, every stage), the phases summed over stages from the run's ``state.json`` (evaluation,
 training, the rest) and the stage scores, then the ratio merged / adapter. Extra arguments are passed
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,6 +38,15 @@ from common import Results, add_json_argument  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EVAL_PHASES = ("evaluate",)
+# Each mode's overrides: merged weights loaded into one running engine in place (serve.merged_swap, the
+# default with merged), or an engine started per stage from its merged folder (the earlier route).
+MODES = {
+    "adapter": ["serve.eval_weights=adapter"],
+    "merged": ["serve.eval_weights=merged", "serve.merged_swap=true"],
+    "merged-restart": ["serve.eval_weights=merged", "serve.merged_swap=false"],
+    "auto": ["serve.eval_weights=auto"],
+}
+SETUP = re.compile(r"merged weights of '[^']*' (?:served at \S+ after|loaded in place at \S+ in) ([0-9.]+)s")
 TRAIN_PHASES = ("train",)
 
 
@@ -75,7 +86,7 @@ def run_mode(args, mode: str) -> dict:
         f"run.seed={args.seed}",
         f"run.root={run_root}",
         f"run.id={run_id}",
-        f"serve.eval_weights={mode}",
+        *MODES[mode],
         *args.overrides,
     ]
     print(f"[{mode}] {' '.join(cmd)}", flush=True)
@@ -101,11 +112,12 @@ def run_mode(args, mode: str) -> dict:
         "stages": len(state.get("stages", [])),
         "scores": stage_scores(state),
         "phases": totals,
+        "merged_setup_s": [float(x) for x in SETUP.findall(log.read_text(errors="replace"))],
         "log": str(log),
     }
     print(
         f"[{mode}] wall {wall:.0f} s, evaluate {evaluate:.0f} s, train {train:.0f} s, "
-        f"scores {[round(s, 1) for s in row['scores']]}",
+        f"scores {[round(s, 1) for s in row['scores']]}, merged set-up s {row['merged_setup_s']}",
         flush=True,
     )
     return row
@@ -124,9 +136,9 @@ def main() -> int:
     add_json_argument(parser, __file__)
     args = parser.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("adapter", "merged", "auto")]
+    bad = [m for m in modes if m not in MODES]
     if bad or not modes:
-        parser.error(f"--modes: {bad or modes} (each one of adapter, merged, auto)")
+        parser.error(f"--modes: {bad or modes} (each one of {', '.join(MODES)})")
     if not args.config.is_file():
         parser.error(f"--config: no such file: {args.config}")
     args.root.mkdir(parents=True, exist_ok=True)
