@@ -63,6 +63,28 @@ def delete_apps(names: list[str], record_file: Path) -> None:
         logger.debug("serve shutdown failed", exc_info=True)
 
 
+def delete_leftovers(record_file: Path, wanted: set[str], running) -> None:
+    """Delete the apps a killed attempt of this run folder left (``record_file``) that this job does not
+    deploy at start (its merged-weights app): they would hold their replicas' CPUs and memory until
+    the run acts on merged weights again, or forever if it does not (a resumed sweep cell). An app
+    held by a live job is left alone; entries of apps no longer running are dropped."""
+    from ray import serve
+
+    from hamo_ray.naming import AppExistsError, leftovers, read_record
+
+    record, cluster = read_record(record_file), cluster_id()
+    for name in (n for n in record if n not in wanted):
+        try:
+            stale = leftovers([name], running, record, cluster)
+        except AppExistsError as exc:
+            logger.warning("not deleting %r recorded in %s: %s", name, record_file, exc)
+            continue
+        if stale:
+            logger.warning("deleting Serve app %r left by a killed job on this run folder", name)
+            serve.delete(name)
+        release_apps([name], record_file)
+
+
 def shared_serve_cfg(cfg: HamoConfig, index: int):
     """The ``ServeConfig`` of a sweep's ``index``-th shared endpoint (one per backbone): named after the
     sweep (``hamo_ray.naming.shared_serve_names``)."""

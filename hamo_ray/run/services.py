@@ -47,7 +47,7 @@ from hamo_ray.naming import (
 )
 from hamo_ray.rollout.client import PolicySpec
 from hamo_ray.run.folder import RunFolder
-from hamo_ray.run.serve_apps import cluster_id, delete_apps, start_serve
+from hamo_ray.run.serve_apps import cluster_id, delete_apps, delete_leftovers, start_serve
 from hamo_ray.serving.adapters import DIGEST_CHARS
 
 logger = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ class Services:
         running = serve.status().applications
         claim_apps(wanted, self.folder.path / APPS_FILE, cluster_id(), running)
         self._created = wanted
-        self._delete_leftovers(set(wanted), running)
+        delete_leftovers(self.folder.path / APPS_FILE, set(wanted), running)
         if self.owns_endpoint:  # before any app: the HTTP proxy takes serve.host:port
             start_serve(scfg)
         if self.harness:
@@ -289,46 +289,19 @@ class Services:
             gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
         return resolve_eval_weights(scfg.eval_weights, gpus=gpus)
 
-    def _delete_leftovers(self, wanted: set[str], running) -> None:
-        """Delete the apps a killed attempt of this run folder left that this job does not deploy at start
-        (its merged-weights app): they would hold their replicas' CPUs and memory until the run reaches
-        a stage acting on merged weights again, or forever if it does not (a resumed sweep cell)."""
-        from ray import serve
-
-        from hamo_ray.naming import AppExistsError, leftovers, read_record, release_apps
-
-        record_file = self.folder.path / APPS_FILE
-        record, cluster = read_record(record_file), cluster_id()
-        for name in (n for n in record if n not in wanted):
-            try:
-                stale = leftovers([name], running, record, cluster)
-            except AppExistsError as exc:  # held by a live job: not ours to delete
-                logger.warning("not deleting %r recorded in %s: %s", name, record_file, exc)
-                continue
-            if stale:
-                logger.warning("deleting Serve app %r left by a killed job on this run folder", name)
-                serve.delete(name)
-            release_apps([name], record_file)  # deleted now, or no longer running
-
     def acting(self, name: str | None) -> Endpoint:
         """The endpoint a stage's rollouts act on as served ``name`` (None: the base model).
 
-        With merged weights (:meth:`eval_weights`) and an adapter this object published: the run's
-        merged app serving ``name`` (merged, deployed or replaced for it, its ``/health`` and
-        ``/v1/models`` checked to state ``name``, and its greedy probe checked against the adapter's
-        through LoRA); else, or when any of that fails (logged), the run's endpoint, which serves
-        ``name`` through LoRA. Either way the rollouts ask for ``name``.
-        """
+        With merged weights (:meth:`eval_weights`) and an adapter this object published (or the base,
+        with ``serve.merged_swap``): the run's merged app serving ``name`` (its ``/health`` and
+        ``/v1/models`` checked to state it, its greedy probe against the run's endpoint's); else, or when
+        any of that fails (logged), the run's endpoint. Either way the rollouts ask for ``name``."""
         from hamo_ray.serving.merged_app import MergedApp, probe_agreement
 
         if self.endpoint is None:
             raise RuntimeError("Services.acting before Services.start")
         scfg = self.cfg.serve
-        if self.eval_weights() != "merged":
-            return self.endpoint
-        if name is None and not scfg.merged_swap:  # the base on a second engine only if it stays up
-            return self.endpoint
-        if name is not None and name not in self.published:
+        if self.eval_weights() != "merged" or (name not in self.published if name else not scfg.merged_swap):
             return self.endpoint
         try:
             if self._merged is None:
@@ -344,14 +317,8 @@ class Services:
                 )  # fmt: skip
             url, direct = self._merged.ensure(name, None if name is None else self.published[name])
             served = self.cfg.model.name if name is None else name
-            agree = probe_agreement(
-                self.endpoint.base_url,
-                served,
-                url,
-                scfg.probe_prompt,
-                scfg.probe_tokens,
-                api_key=scfg.api_key,
-            )
+            base, prompt, tokens = self.endpoint.base_url, scfg.probe_prompt, scfg.probe_tokens
+            agree = probe_agreement(base, served, url, prompt, tokens, api_key=scfg.api_key)
             if not agree["agree"]:
                 raise RuntimeError(f"merged and LoRA answers of {served!r} disagree: {agree}")
         except Exception:

@@ -24,16 +24,9 @@ HaMo's own parts:
 - Each replica also serves the same app on a port of its own (``direct_url``), as ``vllm serve`` does,
   without Serve's proxy hop; the Serve route (``serve.port``) balances over the replicas.
 
-Why this and not ``ray.serve.llm`` (``benchmarks/bench_serving.py``, 2 shared CPU cores, a random tiny
-backbone, 32 tokens per answer, all servers up at once, median of interleaved rounds): at concurrency
-1/16/64, ``ray.serve.llm``'s OpenAI app (ingress + LLMServer) served the base model at 0.68/0.56/0.52 of
-vLLM's own server, this deployment through Serve's proxy at 0.66/0.61/0.54 in the same run (vLLM's
-server then at niceness 0, both Ray apps at 15): the same; the cost is Serve's HTTP path, not the app.
-``ray.serve.llm`` loads adapters only from cloud URIs (``LoraConfig.dynamic_lora_loading_path``) and is
-extended only through private ``ray.llm._internal`` classes; ``init_app_state``/``build_app``, ``OpenAIServingModels`` and ``LoRAResolver`` are vLLM's own
-entry points. A replica's direct URL served at 0.91/0.96/0.92 of vLLM's server (adapter 0.95/1.07/0.95),
-through the proxy 0.84/0.73/0.57 (adapter 0.81/0.90/0.75), in one 5-round run, vLLM's server at the
-niceness of Ray's workers (15), as the replica's engine.
+Why this and not ``ray.serve.llm`` (measured: the same throughput; adapters only from cloud URIs; only
+private classes to extend): docs/serving.md. Merged weights (``merged=``, ``swap``):
+``hamo_ray.serving.merged`` and ``hamo_ray.serving.weight_swap``.
 """
 
 import asyncio
@@ -50,10 +43,11 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from hamo_ray.config import ModelConfig, ServeConfig
 from hamo_ray.serving.adapters import AdapterError, AdapterRegistry
 from hamo_ray.serving.engine import DEFAULT_MAX_LORA_RANK, start_engine
-from hamo_ray.serving.guard import GuardMiddleware, GuardSettings
+from hamo_ray.serving.guard import GUARDED, GuardMiddleware, GuardSettings, guard_handler
 from hamo_ray.serving.metrics import InflightMiddleware, ReplicaMetrics, RunningPeak
 from hamo_ray.serving.objstore import is_uri
 from hamo_ray.serving.weight_swap import EXTENSION as WEIGHT_SWAP_EXTENSION
+from hamo_ray.serving.weight_swap import load_into_engine, set_served
 
 logger = logging.getLogger(__name__)
 
@@ -62,38 +56,7 @@ VLLM_ROUTES = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/version", "/openapi.json",
      "/docs", "/docs/oauth2-redirect", "/redoc"}
 )  # fmt: skip
-REFUSED = {
-    "chat_template": "a request's own chat template would break the training format",
-    "truncate_prompt_tokens": "a truncated prompt is not the trained one",
-}
-TEMPLATE_CALL_ARGS = frozenset(
-    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
-)  # fmt: skip
 SWAPPING = "(weights loading)"  # the served name while a merged replica's weights change: matches no request
-GUARDED = [("openai_serving_chat", "create_chat_completion"), ("openai_serving_completion", "create_completion"),
-           ("serving_tokenization", "create_tokenize")]  # fmt: skip
-
-
-def refusal(request, max_tokens_limit: int, max_model_len: int) -> tuple[str, str] | None:
-    """``(field, message)`` when a parsed vLLM request would break the training format or the limits."""
-    for name in request.model_extra or {}:
-        return name, f"unsupported field `{name}`: this server does not serve it"
-    for name, why in REFUSED.items():
-        if getattr(request, name, None) is not None:
-            return name, f"`{name}` is not served: {why}"
-    if hasattr(request, "messages") and getattr(request, "add_special_tokens", False):
-        return "add_special_tokens", "`add_special_tokens` is not served on chat: the template places them"
-    reserved = sorted(set(getattr(request, "chat_template_kwargs", None) or {}) & TEMPLATE_CALL_ARGS)
-    if reserved:
-        return "chat_template_kwargs", f"`chat_template_kwargs` {reserved} are arguments of the template call"
-    tokens = getattr(request, "max_completion_tokens", None) or getattr(request, "max_tokens", None)
-    if tokens is not None and tokens > max_tokens_limit:
-        return "max_tokens", f"max_tokens {tokens} exceeds this server's limit {max_tokens_limit}"
-    if tokens is None and max_tokens_limit < max_model_len and hasattr(request, "max_completion_tokens"):
-        request.max_completion_tokens = max_tokens_limit  # the default length (vLLM cuts it to the context)
-    return None
 
 
 def _error(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
@@ -102,19 +65,6 @@ def _error(message: str, status: int = 400, param: str | None = None) -> JSONRes
     kind = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError"}.get(status, "ServerError")
     body = create_error_response(message, kind, HTTPStatus(status), param).model_dump()
     return JSONResponse(body, status_code=status)
-
-
-def _guard_handler(handler, method: str, *limits: int) -> None:
-    from vllm.entrypoints.serve import create_error_response
-
-    inner = getattr(handler, method)
-
-    async def guarded(request, *args, **kwargs):
-        if refused := refusal(request, *limits):
-            return create_error_response(refused[1], param=refused[0])
-        return await inner(request, *args, **kwargs)
-
-    setattr(handler, method, guarded)
 
 
 def _registry_resolver(registry: AdapterRegistry):
@@ -197,7 +147,7 @@ class PolicyServer:
         for attr, method in GUARDED:
             if getattr(state, attr, None) is not None:
                 limits = serve_cfg.max_tokens_limit, self._engine.model_config.max_model_len
-                _guard_handler(getattr(state, attr), method, *limits)
+                guard_handler(getattr(state, attr), method, *limits)
         self._running = RunningPeak()
         self._metrics = ReplicaMetrics(self._own_metrics)
         self._host, self._direct_url = serve_cfg.host, None
@@ -312,14 +262,9 @@ class PolicyServer:
 
     async def swap(self, name: str | None, path: str | None = None) -> dict:
         """Serve adapter ``name`` (at ``path``, inside the adapter root) merged into the base weights, or
-        the base weights (``name`` None, served as the base's name), loaded into this replica's running
-        engine in place (``hamo_ray.serving.weight_swap``). Only a merged replica started with ``swap``.
-
-        While the weights change, generation is paused (requests in flight finish first) and no name is
-        served (requests get 404); the prefix cache is cleared. The new name is served only after every
-        worker states it holds the folder just loaded, and, for a content-named stage adapter, that the
-        folder's marker names the adapter's digest. A failed load leaves the replica unhealthy
-        (``check_health`` raises: Serve replaces it).
+        the base weights (``name`` None, as the base's name), loaded into this merged replica's running
+        engine in place (``weight_swap.load_into_engine``: no name is served meanwhile). A failed load
+        leaves the replica unhealthy (``check_health`` raises: Serve replaces it).
 
         Raises:
             AdapterError: the registry refuses ``name``/``path``.
@@ -335,46 +280,31 @@ class PolicyServer:
     async def _swap(self, name: str | None, path: str | None) -> dict:
         import time
 
-        from hamo_ray.serving.adapters import DIGEST_RE
         from hamo_ray.serving.merged import MergedWeightsError, prepare_merged
 
-        t0 = time.monotonic()
-        if name is None:
-            folder, served = self._base_path, self._merged["base_name"]
-        else:
-            folder = await asyncio.to_thread(
+        t0, served, folder = time.monotonic(), self._merged["base_name"], self._base_path
+        if name is not None:
+            served, folder = name, await asyncio.to_thread(
                 prepare_merged, self._registry, self._base_path, name=name, path=str(path),
                 slot=self._merged.get("slot"),
             )  # fmt: skip
-            served = name
-        merged_s = time.monotonic() - t0
+        merge_s = time.monotonic() - t0
         self._set_served(SWAPPING)  # nothing is served while the weights change
-        self._weights = {"state": "loading", "folder": folder}
-        await self._engine.pause_generation(mode="wait", clear_cache=True)
+        self._weights = {"state": "loading", "folder": str(folder)}
         try:
-            infos = await self._engine.collective_rpc("hamo_load_weights", args=(folder,))
-            await self._engine.reset_prefix_cache()
-            held = await self._engine.collective_rpc("hamo_weights")
+            infos, held = await load_into_engine(self._engine, str(folder), name)
         except Exception as exc:
-            self._weights = {"state": "broken", "folder": folder, "error": repr(exc)}
+            self._weights = {"state": "broken", "folder": str(folder), "error": repr(exc)}
             raise MergedWeightsError(f"loading {folder} into the running engine failed: {exc!r}") from exc
-        finally:
-            await self._engine.resume_generation()
-        named = DIGEST_RE.search(name or "")
-        for worker in held:
-            digest = worker.get("marker", {}).get("adapter_digest", "")
-            if worker.get("folder") != str(folder) or (named and not digest.startswith(named.group(1))):
-                self._weights = {"state": "broken", "folder": folder, "error": f"worker holds {worker}"}
-                raise MergedWeightsError(f"after loading {folder} a worker states it holds {worker}")
         self._weights = {
             "state": "loaded",
             "name": served,
             "folder": str(folder),
-            "marker": held[0].get("marker"),
+            "marker": held.get("marker"),
         }
         self._set_served(served)
         info = {
-            "name": served, "folder": str(folder), "merge_s": round(merged_s, 2),
+            "name": served, "folder": str(folder), "merge_s": round(merge_s, 2),
             "load_s": round(max(i["seconds"] for i in infos), 2), "kernels": infos[0]["kernels"],
             "seconds": round(time.monotonic() - t0, 2),
         }  # fmt: skip
@@ -383,11 +313,8 @@ class PolicyServer:
 
     def _set_served(self, name: str) -> None:
         """Serve the engine's weights under ``name`` (and no other)."""
-        from vllm.entrypoints.openai.models.protocol import BaseModelPath
-
         self._base = name
-        # in place: vLLM's model registry and the serving objects share this one list
-        self._models.base_model_paths[:] = [BaseModelPath(name=name, model_path=str(self._base_path))]
+        set_served(self._models, name, str(self._base_path))
 
     async def load_lora_adapter(self, body: LoadLoRARequest):
         try:

@@ -10,6 +10,9 @@ An ASGI middleware, outermost on the policy app (``hamo_ray.serving.app``) and t
 
 The settings are the middleware's own (``GuardMiddleware(app, settings=...)``) or, without them, this
 process's (``configure_guard``; a Serve replica is one process). Errors are OpenAI-style JSON.
+
+Also the policy app's refusals of request fields that would break the training format or the limits
+(:func:`refusal`, wrapped around vLLM's handlers by :func:`guard_handler`).
 """
 
 from __future__ import annotations
@@ -101,3 +104,51 @@ class GuardMiddleware:
             return messages.pop(0) if messages else await receive()
 
         await self.app(scope, replay, send)
+
+
+# -- fields of a parsed vLLM request the endpoint refuses (the training format, the limits) -----------
+REFUSED = {
+    "chat_template": "a request's own chat template would break the training format",
+    "truncate_prompt_tokens": "a truncated prompt is not the trained one",
+}
+TEMPLATE_CALL_ARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+GUARDED = [("openai_serving_chat", "create_chat_completion"), ("openai_serving_completion", "create_completion"),
+           ("serving_tokenization", "create_tokenize")]  # fmt: skip
+
+
+def refusal(request, max_tokens_limit: int, max_model_len: int) -> tuple[str, str] | None:
+    """``(field, message)`` when a parsed vLLM request would break the training format or the limits."""
+    for name in request.model_extra or {}:
+        return name, f"unsupported field `{name}`: this server does not serve it"
+    for name, why in REFUSED.items():
+        if getattr(request, name, None) is not None:
+            return name, f"`{name}` is not served: {why}"
+    if hasattr(request, "messages") and getattr(request, "add_special_tokens", False):
+        return "add_special_tokens", "`add_special_tokens` is not served on chat: the template places them"
+    reserved = sorted(set(getattr(request, "chat_template_kwargs", None) or {}) & TEMPLATE_CALL_ARGS)
+    if reserved:
+        return "chat_template_kwargs", f"`chat_template_kwargs` {reserved} are arguments of the template call"
+    tokens = getattr(request, "max_completion_tokens", None) or getattr(request, "max_tokens", None)
+    if tokens is not None and tokens > max_tokens_limit:
+        return "max_tokens", f"max_tokens {tokens} exceeds this server's limit {max_tokens_limit}"
+    if tokens is None and max_tokens_limit < max_model_len and hasattr(request, "max_completion_tokens"):
+        request.max_completion_tokens = max_tokens_limit  # the default length (vLLM cuts it to the context)
+    return None
+
+
+def guard_handler(handler, method: str, *limits: int) -> None:
+    """Wrap a vLLM serving object's ``method`` so a request :func:`refusal` refuses gets 400 naming the field."""
+    from vllm.entrypoints.serve import create_error_response
+
+    inner = getattr(handler, method)
+
+    async def guarded(request, *args, **kwargs):
+        if refused := refusal(request, *limits):
+            return create_error_response(refused[1], param=refused[0])
+        return await inner(request, *args, **kwargs)
+
+    setattr(handler, method, guarded)

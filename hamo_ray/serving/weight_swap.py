@@ -34,7 +34,6 @@ The worker records which folder (and its ``hamo_merged.json`` marker) it holds; 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterator
@@ -254,5 +253,37 @@ class WeightSwapExtension:
         return dict(held)
 
 
-def describe(info: dict[str, Any]) -> str:
-    return json.dumps({k: info[k] for k in ("folder", "layers", "kernels", "seconds") if k in info})
+async def load_into_engine(engine, folder: str, name: str | None) -> tuple[list[dict], dict]:
+    """Load ``folder`` into every worker of the running ``AsyncLLM`` (:class:`WeightSwapExtension`):
+    generation paused (requests in flight finish first), the KV and prefix caches cleared, resumed after.
+    Then every worker must state it holds ``folder`` and, for a content-named stage adapter ``name``
+    (``stage-<t>:<12 hex>``), that the folder's marker names that digest. Returns the workers' load
+    infos and the first worker's statement.
+
+    Raises:
+        RuntimeError (or the load's own error): the engine's weights may be a mix.
+    """
+    from hamo_ray.serving.adapters import DIGEST_RE
+
+    await engine.pause_generation(mode="wait", clear_cache=True)
+    try:
+        infos = await engine.collective_rpc("hamo_load_weights", args=(folder,))
+        await engine.reset_prefix_cache()
+        held = await engine.collective_rpc("hamo_weights")
+    finally:
+        await engine.resume_generation()
+    named = DIGEST_RE.search(name or "")
+    for worker in held:
+        digest = (worker.get("marker") or {}).get("adapter_digest", "")
+        if worker.get("folder") != folder or (named and not digest.startswith(named.group(1))):
+            raise RuntimeError(f"after loading {folder} for {name!r} a worker states it holds {worker}")
+    return infos, held[0]
+
+
+def set_served(models, name: str, model_path: str) -> None:
+    """Make vLLM's OpenAI app serve its engine under ``name`` alone (``OpenAIServingModels``): the list is
+    replaced in place, as vLLM's model registry and serving objects share it. Requests for any other
+    name get 404."""
+    from vllm.entrypoints.openai.models.protocol import BaseModelPath
+
+    models.base_model_paths[:] = [BaseModelPath(name=name, model_path=model_path)]

@@ -347,16 +347,15 @@ def test_a_killed_attempts_merged_app_is_deleted_when_the_run_starts_again(tmp_p
     from ray import serve
 
     from hamo_ray.naming import read_record, write_record
-    from hamo_ray.run import services as S
+    from hamo_ray.run import serve_apps as S
 
-    services = _services(tmp_path, "serve.eval_weights=merged")
-    record_file = services.folder.path / S.APPS_FILE
+    record_file = tmp_path / S.APPS_FILE
     dead = {"cluster": "c1", "host": socket.gethostname(), "pid": 2**22 + 12345, "since": 0.0}
     live = {**dead, "pid": os.getpid()}
     write_record(record_file, {"r-merged": dead, "r-other": live, "r-gone": dead, "r": dead})
     monkeypatch.setattr(S, "cluster_id", lambda: "c1")
     deleted = []
     monkeypatch.setattr(serve, "delete", deleted.append)
-    services._delete_leftovers({"r"}, ["r", "r-merged", "r-other"])
+    S.delete_leftovers(record_file, {"r"}, ["r", "r-merged", "r-other"])
     assert deleted == ["r-merged"]  # r-other: a live job's; r-gone: not running; r: redeployed now
     assert sorted(read_record(record_file)) == ["r", "r-other"]

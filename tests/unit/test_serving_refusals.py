@@ -1,6 +1,6 @@
 """Which requests the policy endpoint refuses before vLLM serves them, and how it names the field.
 
-vLLM's own request models (``vllm.entrypoints.openai``) parse the bodies; ``hamo_ray.serving.app.refusal``
+vLLM's own request models (``vllm.entrypoints.openai``) parse the bodies; ``hamo_ray.serving.guard.refusal``
 refuses what would break the training format or the server's limits (replaces tests/unit/test_protocol.py,
 which tested the hand-written protocol).
 
@@ -22,7 +22,7 @@ def _chat(**fields):
 
 
 def _refused(request) -> str | None:
-    from hamo_ray.serving.app import refusal
+    from hamo_ray.serving.guard import refusal
 
     found = refusal(request, LIMIT, CONTEXT)
     if found is not None:

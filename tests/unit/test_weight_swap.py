@@ -143,3 +143,46 @@ def test_without_swap_or_with_several_replicas_every_adapter_gets_an_engine(monk
     app, _ = _app(monkeypatch, swap=False)
     with pytest.raises(MergedWeightsError, match="base weights"):
         app.ensure(None, None)
+
+
+class _Engine:
+    """What load_into_engine calls on vLLM's AsyncLLM, recorded."""
+
+    def __init__(self, held, fail=False):
+        self.calls, self.held, self.fail = [], held, fail
+
+    async def pause_generation(self, **kw):
+        self.calls.append(("pause", kw))
+
+    async def resume_generation(self):
+        self.calls.append(("resume",))
+
+    async def reset_prefix_cache(self):
+        self.calls.append(("reset",))
+
+    async def collective_rpc(self, method, args=()):
+        self.calls.append((method, *args))
+        if method == "hamo_load_weights":
+            if self.fail:
+                raise RuntimeError("load failed")
+            return [{"seconds": 1.0, "kernels": {"onednn": 3}}]
+        return self.held
+
+
+def test_the_engine_is_paused_around_a_load_and_must_state_the_weights_asked_for():
+    import asyncio
+
+    good = [{"folder": "/m", "marker": {"adapter_digest": "abcdef012345" + "0" * 52}}]
+    engine = _Engine(good)
+    infos, held = asyncio.run(W.load_into_engine(engine, "/m", "run-stage-2:abcdef012345"))
+    assert held == good[0] and infos[0]["kernels"] == {"onednn": 3}
+    assert [c[0] for c in engine.calls] == ["pause", "hamo_load_weights", "reset", "hamo_weights", "resume"]
+    assert engine.calls[0][1] == {"mode": "wait", "clear_cache": True}  # requests in flight finish first
+    with pytest.raises(RuntimeError, match="states it holds"):  # another adapter's merge in the folder
+        asyncio.run(W.load_into_engine(_Engine(good), "/m", "run-stage-2:ffffff012345"))
+    with pytest.raises(RuntimeError, match="states it holds"):  # another folder
+        asyncio.run(W.load_into_engine(_Engine(good), "/other", None))
+    failing = _Engine(good, fail=True)
+    with pytest.raises(RuntimeError, match="load failed"):
+        asyncio.run(W.load_into_engine(failing, "/m", None))
+    assert failing.calls[-1] == ("resume",)  # generation resumes even after a failed load
