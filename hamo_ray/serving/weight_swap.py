@@ -231,6 +231,20 @@ def folder_state(folder: str | Path) -> dict[str, Any]:
     return {"folder": str(folder), "marker": read_marker(Path(folder)) or {}}
 
 
+def release_memory() -> None:
+    """Give the load's freed buffers (the full-size weights, the old packed handles) back to the OS:
+    glibc keeps freed heap memory for reuse, so a merged engine's RSS otherwise grows by about a copy
+    of the weights after its first loads, while the stage's training also needs memory."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 class WeightSwapExtension:
     """Methods vLLM adds to its worker (``worker_extension_cls``), called through ``collective_rpc``."""
 
@@ -242,6 +256,7 @@ class WeightSwapExtension:
         self._hamo_weights = {"folder": None, "marker": {}, "state": "loading"}  # mixed until done
         info = load_in_place(model, folder, reference=reference)
         self._hamo_weights = {**folder_state(folder), "state": "loaded"}
+        release_memory()
         return {**info, **self._hamo_weights}
 
     def hamo_weights(self) -> dict[str, Any]:
