@@ -208,13 +208,14 @@ class ServeConfig(_Cfg):
     # stage, so it pays from ~10 episodes a stage on), the adapter on GPUs (a second engine would double
     # the GPU memory). Adapters are published and served by name either way (docs/performance.md).
     eval_weights: Literal["auto", "merged", "adapter"] = "adapter"
-    # With merged weights: true (default), the merged app's engine starts once per run, from the base
-    # folder, and takes each stage's merged weights IN PLACE (hamo_ray/serving/weight_swap.py: a few
-    # seconds instead of ~70-100 s of engine start a stage); it stays up between stages (its memory and
-    # serve.num_cpus held during training) and is deleted when the run ends. false: an engine started
-    # from each stage's merged folder, deleted after the stage's evaluation. An engine whose layers
-    # cannot take weights in place falls back to a new engine (logged).
-    merged_swap: bool = True
+    # With merged weights: true, the merged app's engine starts once per run, from the base folder, and
+    # takes each stage's merged weights IN PLACE (hamo_ray/serving/weight_swap.py: 8-20 s a stage instead
+    # of ~70-100 s of engine start); it stays up between stages (its memory and serve.num_cpus held
+    # during training: on 24 GiB a 4-stage SmolLM2 sweep cell ran out of memory and starved Ray Data,
+    # docs/known-gaps.md) and is deleted when the run ends. false (default): an engine started from each
+    # stage's merged folder, deleted after the stage's evaluation. An engine whose layers cannot take
+    # weights in place falls back to a new engine (logged).
+    merged_swap: bool = False
 
     @model_validator(mode="after")
     def _check_store(self) -> ServeConfig:

@@ -43,7 +43,6 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 EXTENSION = "hamo_ray.serving.weight_swap.WeightSwapExtension"
-KERNELS = ("onednn", "sgl", "torch")  # CPU linear kernels whose weights can be replaced in place
 
 
 class UnsupportedSwap(RuntimeError):

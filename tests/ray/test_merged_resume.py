@@ -28,6 +28,7 @@ OVERRIDES = [
     "serve.port=18473",
     "serve.app_name=hamo-merged-resume-test",
     "serve.eval_weights=merged",
+    "serve.merged_swap=true",  # one engine taking each stage's weights in place (passed 2026-12-06)
 ]
 ACTING = re.compile(r"acting as '([^']*stage-(\d+):([0-9a-f]{12}))' on merged weights")
 

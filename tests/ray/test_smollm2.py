@@ -322,7 +322,7 @@ def test_merged_weights_answer_as_the_adapter_and_the_base_stays_the_base(server
 
 @pytest.mark.slow  # ~3 min on 2 cores: a second engine starts once (inductor compile), then swaps
 def test_merged_weights_swap_in_place(server, folder, adapter_root):
-    """serve.merged_swap (the default with merged weights): the merged app's engine starts ONCE, from the
+    """serve.merged_swap (opt-in with merged weights): the merged app's engine starts ONCE, from the
     base folder, and each adapter's merged weights are loaded into it in place (vLLM-CPU's packed oneDNN
     weights rebuilt; hamo_ray/serving/weight_swap.py). After each load the engine answers as that
     adapter does through LoRA on the run's endpoint (greedy: same tokens, logprobs within tolerance),

@@ -251,8 +251,8 @@ def test_acting_picks_merged_weights_only_for_a_published_adapter(tmp_path, monk
 
 def test_a_swapping_merged_app_also_plays_the_base_and_stays_up_between_stages(tmp_path, monkeypatch):
     monkeypatch.setattr(MA, "probe_agreement", lambda *a, **k: {"agree": True})
-    services = _services(tmp_path, "serve.eval_weights=merged")  # serve.merged_swap: true by default
-    assert services.cfg.serve.merged_swap
+    services = _services(tmp_path, "serve.eval_weights=merged", "serve.merged_swap=true")
+    assert not _services(tmp_path / "d").cfg.serve.merged_swap  # off by default
     services._merged = fake = _FakeMerged(swap=True)
     assert services.acting(None).base_url == "http://h:1/r/merged"  # the base weights, on the fast engine
     assert services.acting("stage-1:abc") is services.endpoint  # not published by this run
