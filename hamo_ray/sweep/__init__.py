@@ -9,6 +9,7 @@ A sweep file (YAML) names a base config and the grid::
     parallel: 1                           # cells run at once (Ray tasks); 1 on a laptop
     cell_resources: {CPU: 0}              # resources each cell's controller task holds
     share_experts: true                   # cells on the same tasks share expert trajectories (below)
+    run_order: grid                       # grid (method-major) or seed: every cell of a seed, then the next
     grid:
       method: [base, harness, model_only, hamo]
       model: [embedded]                   # model.path values

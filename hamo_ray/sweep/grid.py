@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -36,6 +36,7 @@ class SweepConfig(BaseModel):
     parallel: int = Field(default=1, ge=1)
     cell_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 0})
     share_experts: bool = True  # cells on the same tasks: the same expert trajectories (<root>/experts)
+    run_order: Literal["grid", "seed"] = "grid"  # seed: every cell of a seed before the next seed's
     grid: GridConfig = GridConfig()
 
 
@@ -122,6 +123,8 @@ def expand_cells(sweep: SweepConfig, base: Path) -> list[tuple[str, HamoConfig]]
         over = [*shared, *sweep.overrides, *extra, f"run.root={root / 'cells'}", f"run.id={name}"]
         cfg = load_config(base, over)
         cells.append((name, cfg))
+    if sweep.run_order == "seed":  # a sweep stopped early then holds whole seeds: paired comparisons
+        cells.sort(key=lambda cell: cell[1].run.seed)  # stable: grid order within a seed
     return cells
 
 

@@ -60,6 +60,23 @@ def test_sweep_varies_any_dotted_key(tmp_path):
         load_sweep(sweep_file)
 
 
+def test_sweep_run_order_seed_runs_every_method_of_a_seed_first(tmp_path):
+    sweep_file = tmp_path / "sweep.yaml"
+    spec = {
+        "base": str(ROOT / "jobs" / "configs" / "tiny.yaml"),
+        "root": str(tmp_path / "runs"),
+        "grid": {"method": ["model_only", "hamo"], "seed": [0, 1, 2]},
+    }
+    sweep_file.write_text(yaml.safe_dump(spec))
+    grid = [(cfg.method.name, cfg.run.seed) for _, cfg in expand_cells(*load_sweep(sweep_file))]
+    assert grid == [("model_only", s) for s in range(3)] + [("hamo", s) for s in range(3)]
+    sweep, base = load_sweep(sweep_file, ["run_order=seed"])
+    by_seed = [(cfg.method.name, cfg.run.seed) for _, cfg in expand_cells(sweep, base)]
+    assert by_seed == [(m, s) for s in range(3) for m in ("model_only", "hamo")]
+    with pytest.raises(ConfigError, match="run_order"):
+        load_sweep(sweep_file, ["run_order=method"])
+
+
 def test_print_config_prints_the_resolved_config():
     out = subprocess.run(
         [
