@@ -7,10 +7,13 @@ of the per-stage curves::
 
     python -m hamo_ray.evaluation.report results/smollm2-within --name smollm2-within --doc docs/results.md
 
+(several results folders make one section: a sweep and its companion of the flat methods).
+
 The section holds: the table method x (cells, stage average, final total, first-domain retention,
 forgetting, BWT), each as the mean and its 95% t interval over seeds; the paired differences of
 :data:`PAIRS` per seed and as intervals (methods of one seed share the evaluation draws, so a paired
-difference removes most of the sampling noise the seeds share), on the stage average and, across
+difference removes most of the sampling noise the seeds share), each read by the decision rule
+(:func:`reading`: decided when the interval excludes 0), on the stage average and, across
 domains, on the first domain's retention and the last domain's score; every method's per-stage scores; and
 the finished cells' wall time. Nothing here runs an experiment.
 """
@@ -48,6 +51,25 @@ METHOD_ORDER = [
     "hamo_no_conditioning",
     "hamo_release",
 ]
+
+
+def load_all(folders: list[Path]) -> list[dict[str, Any]]:
+    """The finished cells of several results folders of one design (e.g. a sweep and its companion
+    sweep of the flat methods), as one list.
+
+    Raises:
+        FileNotFoundError: a folder has no ``cells/``.
+        ValueError: two folders hold a cell of one name (names both).
+    """
+    cells: list[dict[str, Any]] = []
+    seen: dict[str, Path] = {}
+    for folder in folders:
+        for cell in load_cells(folder):
+            if cell["name"] in seen:
+                raise ValueError(f"cell {cell['name']} is in both {seen[cell['name']]} and {folder}")
+            seen[cell["name"]] = folder
+            cells.append(cell)
+    return cells
 
 
 def load_cells(results_dir: Path) -> list[dict[str, Any]]:
@@ -147,18 +169,32 @@ def paired_table(
     by = {(c["method"], c["seed"]): value(c["metrics"]) for c in cells}
     seeds = sorted({c["seed"] for c in cells})
     lines = [
-        f"| difference ({metric}) | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± 95% |",
-        "|---|" + "---:|" * (len(seeds) + 1),
+        f"| difference ({metric}) | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± 95% | reading |",
+        "|---|" + "---:|" * (len(seeds) + 1) + "---|",
     ]
     for a, b in pairs:
         diffs = {s: by[(a, s)] - by[(b, s)] for s in seeds if (a, s) in by and (b, s) in by}
         if not diffs:
             continue
         row = [f"{diffs[s]:+.1f}" if s in diffs else "-" for s in seeds]
+        interval = mean_interval(list(diffs.values()))
         lines.append(
-            f"| `{a} - {b}` | " + " | ".join(row) + f" | {_fmt(mean_interval(list(diffs.values())))} |"
+            f"| `{a} - {b}` | " + " | ".join(row) + f" | {_fmt(interval)} | {reading(interval, a, b)} |"
         )
     return "\n".join(lines)
+
+
+def reading(interval: dict, a: str, b: str) -> str:
+    """The decision rule of the learning experiments (docs/results.md): a paired difference ``a - b``
+    is *decided* when its 95% t interval over seeds excludes 0, *undecided* otherwise; one seed has no
+    interval, so it decides nothing."""
+    if interval["n"] < 2:
+        return "one seed"
+    if interval["ci_low"] > 0:
+        return f"decided: `{a}` above"
+    if interval["ci_high"] < 0:
+        return f"decided: `{b}` above"
+    return "undecided"
 
 
 def _across_domains(cells: list[dict]) -> bool:
@@ -252,16 +288,23 @@ def update_doc(doc: Path, name: str, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", help="a sweep's tracked results folder (holds cells/)")
+    parser.add_argument(
+        "results", nargs="+", help="a sweep's tracked results folder (holds cells/); several: one section"
+    )
     parser.add_argument("--name", required=True, help="the section's marker name in --doc")
     parser.add_argument("--doc", help="the document to update (else the section is printed)")
     args = parser.parse_args(argv)
-    cells = load_cells(Path(args.results))
+    try:
+        cells = load_all([Path(f) for f in args.results])
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}")
+        return 1
     if not cells:
-        print(f"error: {args.results}: no finished cell yet")
+        print(f"error: {', '.join(args.results)}: no finished cell yet")
         return 1
     doc = Path(args.doc) if args.doc else None
-    plot = curves_plot(cells, (doc.parent if doc else Path(args.results)) / "results" / f"{args.name}.png")
+    out = doc.parent if doc else Path(args.results[0])
+    plot = curves_plot(cells, out / "results" / f"{args.name}.png")
     text = section(cells, args.name, plot, doc.parent if doc else None)
     if doc is None:
         print(text)

@@ -9,10 +9,12 @@ import yaml
 
 from hamo_ray.evaluation.metrics import summarize
 from hamo_ray.evaluation.report import (
+    load_all,
     load_cells,
     main,
     method_table,
     paired_table,
+    reading,
     section,
     stage_average,
     update_doc,
@@ -48,9 +50,10 @@ def test_tables_and_paired_differences(tmp_path):
     # hamo - base: seed 0: 35 - 11 = +24, seed 1: 30 - 20 = +10; mean 17 with a t interval over 2 seeds.
     row = next(line for line in table.splitlines() if "`hamo - base`" in line)
     assert "+24.0" in row and "+10.0" in row and "17.0 ±" in row
+    assert row.endswith("| undecided |")  # t(1) = 12.7: two seeds of +24 and +10 include 0
     # hamo - harness has one seed only: no interval.
     row = next(line for line in table.splitlines() if "`hamo - harness`" in line)
-    assert row.endswith("| +24.0 | - | 24.0 |")
+    assert row.endswith("| +24.0 | - | 24.0 | one seed |")
     assert "`hamo - model_only`" not in table  # no model_only cell: no row
     assert "hamo_no_conditioning" not in table
 
@@ -63,10 +66,10 @@ def test_ablation_cells_get_their_paired_rows(tmp_path):
     _cell(tmp_path, "model_only", 0, [28, 36])
     cells = load_cells(tmp_path)
     table = paired_table(cells)
-    assert "| `hamo - hamo_no_conditioning` | +10.0 | 10.0 |" in table
+    assert "| `hamo - hamo_no_conditioning` | +10.0 | 10.0 | one seed |" in table
     # The same anchors trained without cards, then shown cards at inference, against no cards at all.
-    assert "| `hamo_no_conditioning - model_only` | -7.0 | -7.0 |" in table
-    assert "| `hamo_release - hamo` | +1.0 | 1.0 |" in table
+    assert "| `hamo_no_conditioning - model_only` | -7.0 | -7.0 | one seed |" in table
+    assert "| `hamo_release - hamo` | +1.0 | 1.0 | one seed |" in table
     methods = [line.split("`")[1] for line in method_table(cells).splitlines() if line.startswith("| `")]
     assert methods == ["base", "model_only", "hamo", "hamo_no_conditioning", "hamo_release"]
 
@@ -123,12 +126,12 @@ def test_cross_domain_sections_pair_the_first_domains_retention(tmp_path):
     table = paired_table(cells, metric="first-domain retention")
     assert table.startswith("| difference (first-domain retention) |")
     # seed 0: 35 - 5 = +30; seed 1: 45 - 15 = +30: the same difference twice, an interval of 0.
-    assert "| `hamo - agenttuning` | +30.0 | +30.0 | 30.0 ± 0.0 |" in table
+    assert "| `hamo - agenttuning` | +30.0 | +30.0 | 30.0 ± 0.0 | decided: `hamo` above |" in table
     text = section(cells, "cross", plot=None)
     for title in ("stage average", "first-domain retention", "last-domain score"):
         assert f"| difference ({title}) |" in text
     # the last domain (webshop) scores 10 after its stage in every cell: a difference of 0
-    assert "| `hamo - agenttuning` | +0.0 | +0.0 | 0.0 ± 0.0 |" in paired_table(
+    assert "| `hamo - agenttuning` | +0.0 | +0.0 | 0.0 ± 0.0 | undecided |" in paired_table(
         cells, metric="last-domain score"
     )
     within = tmp_path / "within"
@@ -137,3 +140,39 @@ def test_cross_domain_sections_pair_the_first_domains_retention(tmp_path):
     assert "first-domain retention)" not in within_text and "last-domain score)" not in within_text
     with pytest.raises(ValueError, match="unknown metric 'accuracy'"):
         paired_table(cells, metric="accuracy")
+
+
+def test_the_decision_rule_reads_each_paired_interval():
+    """Decided when the 95% interval over seeds excludes 0 (either side), undecided otherwise."""
+    from hamo_ray.evaluation.metrics import mean_interval
+
+    assert reading(mean_interval([5.0, 6.0, 7.0]), "hamo", "model_only") == "decided: `hamo` above"
+    assert reading(mean_interval([-5.0, -6.0, -7.0]), "hamo", "model_only") == "decided: `model_only` above"
+    assert reading(mean_interval([5.0, -1.0, 7.0]), "hamo", "model_only") == "undecided"
+    assert reading(mean_interval([5.0]), "hamo", "model_only") == "one seed"
+
+
+def test_two_results_folders_make_one_section(tmp_path):
+    """The powered design's trained cells and its flat methods are two sweeps with two results folders;
+    one section pairs them by seed. A cell in both is refused, named."""
+    trained, flat = tmp_path / "trained", tmp_path / "flat"
+    _cell(trained, "hamo", 0, [30, 40])
+    _cell(trained, "hamo", 1, [30, 30])
+    _cell(flat, "base", 0, [10, 12])
+    _cell(flat, "base", 1, [20, 20])
+    cells = load_all([trained, flat])
+    assert sorted((c["method"], c["seed"]) for c in cells) == [
+        ("base", 0),
+        ("base", 1),
+        ("hamo", 0),
+        ("hamo", 1),
+    ]
+    assert "`hamo - base` | +24.0 | +10.0 |" in paired_table(cells)
+    doc = tmp_path / "results.md"
+    doc.write_text("<!-- BEGIN both -->\n<!-- END both -->\n")
+    assert main([str(trained), str(flat), "--name", "both", "--doc", str(doc)]) == 0
+    assert "Finished cells: 4" in doc.read_text()
+    _cell(flat, "hamo", 1, [0, 0])
+    with pytest.raises(ValueError, match="hamo-s1 is in both"):
+        load_all([trained, flat])
+    assert main([str(trained), str(flat), "--name", "both", "--doc", str(doc)]) == 1
