@@ -10,6 +10,8 @@ run folder (``error.txt``) while the others go on. ``jobs/sweep.py`` is the comm
 from __future__ import annotations
 
 import logging
+import math
+import time
 import traceback
 from pathlib import Path
 
@@ -162,11 +164,13 @@ def run_cells(
         )
         pending: dict = {}
         queue = [name for name in todo if name in urls]
+        pace = Pace(len(queue), sweep.parallel)
         while queue or pending:
             while queue and len(pending) < sweep.parallel:
                 name = queue.pop(0)
                 ref = task.remote(cfgs[name].model_dump_json(), urls[name])
                 pending[ref] = name
+                pace.started(name)
                 logger.info("sweep: started cell %s", name)
             ready, _ = ray.wait(list(pending), num_returns=1)
             for ref in ready:
@@ -174,10 +178,11 @@ def run_cells(
                 try:
                     ray.get(ref)
                     (streams[name].folder.path / "error.txt").unlink(missing_ok=True)  # an earlier try's
-                    logger.info("sweep: cell %s finished", name)
+                    logger.info("sweep: cell %s finished; %s", name, pace.finished(name))
                     if sweep.results is not None:  # at once: a later kill loses nothing of it
                         save_export(results_dir(sweep), name, streams[name].folder.path)
                 except Exception as exc:  # a failed cell is reported; the others go on
+                    pace.failed(name)
                     record_failure(name, streams[name].folder.path, exc, failed)
     finally:
         for n in range(len(indexes)):
@@ -186,6 +191,35 @@ def run_cells(
             except Exception as exc:  # e.g. an endpoint that never came up
                 logger.warning("sweep: stopping shared endpoint %d: %s", n, exc)
     return failed
+
+
+class Pace:
+    """A sweep's progress: cells done of those it set out to run, and the time left at the pace so far
+    (the mean wall time of the finished cells, ``parallel`` at once)."""
+
+    def __init__(self, total: int, parallel: int = 1, clock=time.monotonic):
+        self.total, self.parallel, self.clock = total, max(1, parallel), clock
+        self.starts: dict[str, float] = {}
+        self.took: list[float] = []
+
+    def started(self, name: str) -> None:
+        self.starts[name] = self.clock()
+
+    def failed(self, name: str) -> None:
+        """A failed cell is out of the count (its time says nothing of a cell's pace)."""
+        self.starts.pop(name, None)
+        self.total -= 1
+
+    def finished(self, name: str) -> str:
+        took = self.clock() - self.starts.pop(name, self.clock())
+        self.took.append(took)
+        left = self.total - len(self.took)
+        mean = sum(self.took) / len(self.took)
+        eta = math.ceil(left / self.parallel) * mean
+        return (
+            f"it took {took / 60:.1f} min; {len(self.took)} of {self.total} cells done, "
+            f"{left} left (~{eta / 3600:.1f} h at {mean / 60:.1f} min a cell)"
+        )
 
 
 def record_failure(name: str, folder: Path, exc: BaseException, failed: list[str]) -> None:

@@ -147,12 +147,25 @@ def test_cells_share_one_endpoint_per_backbone_and_fail_alone(tmp_path, fakes):
     assert "FileNotFoundError: no expert data" in (tmp_path / "runs" / "nobackbone" / "error.txt").read_text()
 
 
-def test_parallel_one_runs_one_cell_at_a_time(tmp_path, fakes):
+def test_parallel_one_runs_one_cell_at_a_time_and_logs_its_pace(tmp_path, fakes, caplog):
     ray, log = fakes
     cells = _cells(tmp_path, ["a", "b", "c"])
     streams = {n: FakeStream(tmp_path / "runs" / n) for n, _ in cells}
-    assert sweep_runner.run_cells(_sweep(tmp_path), cells, streams, ["c", "a"]) == []
+    with caplog.at_level("INFO", logger="hamo_ray.sweep"):
+        assert sweep_runner.run_cells(_sweep(tmp_path), cells, streams, ["c", "a"]) == []
     assert [name for name, _ in log["ran"]] == ["c", "a"] and ray.max_in_flight == 1
+    assert "1 of 2 cells done, 1 left" in caplog.text and "2 of 2 cells done, 0 left (~0.0 h" in caplog.text
+
+
+def test_pace_says_the_time_left_at_the_mean_cell_time():
+    now = [0.0]
+    pace = sweep_runner.Pace(total=5, parallel=2, clock=lambda: now[0])
+    pace.started("a"), pace.started("b"), pace.started("bad")
+    now[0] = 1800.0
+    assert pace.finished("a") == "it took 30.0 min; 1 of 5 cells done, 4 left (~1.0 h at 30.0 min a cell)"
+    pace.failed("bad")  # out of the count: 3 left of 4
+    now[0] = 5400.0
+    assert pace.finished("b") == "it took 90.0 min; 2 of 4 cells done, 2 left (~1.0 h at 60.0 min a cell)"
 
 
 def test_a_finished_cell_is_exported_at_once(tmp_path, fakes, monkeypatch):
