@@ -181,6 +181,8 @@ def paired_table(
         lines.append(
             f"| `{a} - {b}` | " + " | ".join(row) + f" | {_fmt(interval)} | {reading(interval, a, b)} |"
         )
+    if len(lines) == 2:  # no pair has both cells of any seed yet (a sweep's first cells)
+        return f"No paired difference ({metric}) yet: no seed has both cells of any pair."
     return "\n".join(lines)
 
 

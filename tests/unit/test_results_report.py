@@ -142,6 +142,16 @@ def test_cross_domain_sections_pair_the_first_domains_retention(tmp_path):
         paired_table(cells, metric="accuracy")
 
 
+def test_a_sweeps_first_cells_have_no_paired_table_yet(tmp_path):
+    """One method's cells pair with nothing: a line that says so, not an empty table."""
+    _cell(tmp_path, "model_only", 0, [18.0, 38.0])
+    _cell(tmp_path, "hamo", 1, [20.0, 30.0])  # another seed: still no pair
+    table = paired_table(load_cells(tmp_path))
+    assert table == "No paired difference (stage average) yet: no seed has both cells of any pair."
+    _cell(tmp_path, "hamo", 0, [20.0, 40.0])
+    assert "| `hamo - model_only` | +2.0 | - | 2.0 | one seed |" in paired_table(load_cells(tmp_path))
+
+
 def test_the_decision_rule_reads_each_paired_interval():
     """Decided when the 95% interval over seeds excludes 0 (either side), undecided otherwise."""
     from hamo_ray.evaluation.metrics import mean_interval
