@@ -9,6 +9,7 @@ run folder (``error.txt``) while the others go on. ``jobs/sweep.py`` is the comm
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -170,7 +171,7 @@ def run_cells(
                 name = queue.pop(0)
                 ref = task.remote(cfgs[name].model_dump_json(), urls[name])
                 pending[ref] = name
-                pace.started(name)
+                pace.started(name, _resumed(streams[name].folder.path))
                 logger.info("sweep: started cell %s", name)
             ready, _ = ray.wait(list(pending), num_returns=1)
             for ref in ready:
@@ -195,15 +196,17 @@ def run_cells(
 
 class Pace:
     """A sweep's progress: cells done of those it set out to run, and the time left at the pace so far
-    (the mean wall time of the finished cells, ``parallel`` at once)."""
+    (the mean wall time of the cells run whole, ``parallel`` at once). A cell resumed from its run
+    folder's committed stages counts as done, but its time (this attempt's only) is not a cell's pace."""
 
     def __init__(self, total: int, parallel: int = 1, clock=time.monotonic):
         self.total, self.parallel, self.clock = total, max(1, parallel), clock
-        self.starts: dict[str, float] = {}
-        self.took: list[float] = []
+        self.starts: dict[str, tuple[float, bool]] = {}
+        self.took: list[float] = []  # cells run whole
+        self.done = 0
 
-    def started(self, name: str) -> None:
-        self.starts[name] = self.clock()
+    def started(self, name: str, resumed: bool = False) -> None:
+        self.starts[name] = (self.clock(), resumed)
 
     def failed(self, name: str) -> None:
         """A failed cell is out of the count (its time says nothing of a cell's pace)."""
@@ -211,15 +214,31 @@ class Pace:
         self.total -= 1
 
     def finished(self, name: str) -> str:
-        took = self.clock() - self.starts.pop(name, self.clock())
-        self.took.append(took)
-        left = self.total - len(self.took)
+        start, resumed = self.starts.pop(name, (self.clock(), False))
+        took = self.clock() - start
+        self.done += 1
+        if not resumed:
+            self.took.append(took)
+        left = self.total - self.done
+        head = (
+            f"this attempt took {took / 60:.1f} min (resumed: not counted in the pace)"
+            if resumed
+            else f"it took {took / 60:.1f} min"
+        )
+        head += f"; {self.done} of {self.total} cells done, {left} left"
+        if not self.took:
+            return head + " (no cell run whole yet: pace unknown)"
         mean = sum(self.took) / len(self.took)
         eta = math.ceil(left / self.parallel) * mean
-        return (
-            f"it took {took / 60:.1f} min; {len(self.took)} of {self.total} cells done, "
-            f"{left} left (~{eta / 3600:.1f} h at {mean / 60:.1f} min a cell)"
-        )
+        return head + f" (~{eta / 3600:.1f} h at {mean / 60:.1f} min a cell)"
+
+
+def _resumed(folder: Path) -> bool:
+    """Whether a cell's run folder holds committed stages (stage 0 included): its run resumes."""
+    try:
+        return bool(json.loads((folder / "state.json").read_text()).get("stages"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def record_failure(name: str, folder: Path, exc: BaseException, failed: list[str]) -> None:

@@ -168,6 +168,28 @@ def test_pace_says_the_time_left_at_the_mean_cell_time():
     assert pace.finished("b") == "it took 90.0 min; 2 of 4 cells done, 2 left (~1.0 h at 60.0 min a cell)"
 
 
+def test_a_resumed_cell_counts_as_done_but_not_in_the_pace(tmp_path):
+    now = [0.0]
+    pace = sweep_runner.Pace(total=3, clock=lambda: now[0])
+    pace.started("a", resumed=True)
+    now[0] = 600.0
+    assert pace.finished("a") == (
+        "this attempt took 10.0 min (resumed: not counted in the pace); 1 of 3 cells done, 2 left"
+        " (no cell run whole yet: pace unknown)"
+    )
+    pace.started("b")
+    now[0] = 2400.0
+    assert pace.finished("b") == "it took 30.0 min; 2 of 3 cells done, 1 left (~0.5 h at 30.0 min a cell)"
+    # A run folder resumes when its state lists a committed stage (stage 0 included).
+    assert not sweep_runner._resumed(tmp_path)
+    (tmp_path / "state.json").write_text('{"stages": []}')
+    assert not sweep_runner._resumed(tmp_path)
+    (tmp_path / "state.json").write_text('{"stages": [{"stage": 0}]}')
+    assert sweep_runner._resumed(tmp_path)
+    (tmp_path / "state.json").write_text("{torn")
+    assert not sweep_runner._resumed(tmp_path)
+
+
 def test_a_finished_cell_is_exported_at_once(tmp_path, fakes, monkeypatch):
     _, log = fakes
     sweep = _sweep(tmp_path, results=str(tmp_path / "results"))
