@@ -9,7 +9,6 @@ run folder (``error.txt``) while the others go on. ``jobs/sweep.py`` is the comm
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -171,7 +170,7 @@ def run_cells(
                 name = queue.pop(0)
                 ref = task.remote(cfgs[name].model_dump_json(), urls[name])
                 pending[ref] = name
-                pace.started(name, _resumed(streams[name].folder.path))
+                pace.started(name, _resumed(streams[name].folder))
                 logger.info("sweep: started cell %s", name)
             ready, _ = ray.wait(list(pending), num_returns=1)
             for ref in ready:
@@ -233,11 +232,12 @@ class Pace:
         return head + f" (~{eta / 3600:.1f} h at {mean / 60:.1f} min a cell)"
 
 
-def _resumed(folder: Path) -> bool:
-    """Whether a cell's run folder holds committed stages (stage 0 included): its run resumes."""
+def _resumed(folder) -> bool:
+    """Whether a cell's run folder (``RunFolder``) lists committed stages, stage 0 included: its run
+    resumes. A torn state says no here; the cell's own run reports it."""
     try:
-        return bool(json.loads((folder / "state.json").read_text()).get("stages"))
-    except (OSError, ValueError, AttributeError):
+        return bool(folder.stages())
+    except (OSError, ValueError, KeyError):
         return False
 
 

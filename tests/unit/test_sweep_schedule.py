@@ -26,7 +26,7 @@ class FakeStream:
     """What the scheduler asks of a ``Stream``: finished?, its folder, its backbone."""
 
     def __init__(self, folder: Path, backbone: str | Exception = "/bb/a", finished: bool = False):
-        self.folder = types.SimpleNamespace(path=folder)
+        self.folder = types.SimpleNamespace(path=folder, stages=list)  # a fresh run folder
         self.backbone = backbone
         self.finished = finished
 
@@ -181,13 +181,21 @@ def test_a_resumed_cell_counts_as_done_but_not_in_the_pace(tmp_path):
     now[0] = 2400.0
     assert pace.finished("b") == "it took 30.0 min; 2 of 3 cells done, 1 left (~0.5 h at 30.0 min a cell)"
     # A run folder resumes when its state lists a committed stage (stage 0 included).
-    assert not sweep_runner._resumed(tmp_path)
-    (tmp_path / "state.json").write_text('{"stages": []}')
-    assert not sweep_runner._resumed(tmp_path)
-    (tmp_path / "state.json").write_text('{"stages": [{"stage": 0}]}')
-    assert sweep_runner._resumed(tmp_path)
-    (tmp_path / "state.json").write_text("{torn")
-    assert not sweep_runner._resumed(tmp_path)
+    import json
+
+    from hamo_ray.config import HamoConfig
+    from hamo_ray.run.folder import RunFolder
+    from hamo_ray.types import StageResult
+
+    folder = RunFolder(tmp_path, HamoConfig())
+    assert not sweep_runner._resumed(folder)
+    folder.state_file.write_text('{"stages": []}')
+    assert not sweep_runner._resumed(folder)
+    stage0 = StageResult.initial("hamo", {"scienceworld": 6.8}, {"evaluate": 1.0}, {})
+    folder.state_file.write_text(json.dumps({"stages": [stage0.model_dump(mode="json")]}))
+    assert sweep_runner._resumed(folder)
+    folder.state_file.write_text("{torn")
+    assert not sweep_runner._resumed(folder)
 
 
 def test_a_finished_cell_is_exported_at_once(tmp_path, fakes, monkeypatch):
