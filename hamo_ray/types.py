@@ -176,6 +176,9 @@ class StageResult(_Frozen):
     # the gate, memory.gate_*), same_world (cards of an example's own world, skipped). The cards of
     # evaluation are in ``evaluation`` (cards_injected, cards_withheld, cards_dropped).
     train_cards: dict[str, float] = Field(default_factory=dict)
+    # Stage 0 only: the run whose stage-0 evaluation this is, when copied from ``eval.initial_cache``
+    # (hamo_ray/run/initial.py: same config but for what cannot act at stage 0); None: played here.
+    initial_from: str | None = None
 
     @classmethod
     def initial(

@@ -54,6 +54,7 @@ RUNTIME_PREFIXES = (
 RUNTIME_FILES = {
     "adapter_config.json",
     "state.json",
+    "key.json",  # a shared stage 0 entry (eval.initial_cache)
     "config.yaml",
     "report.md",
     "error.txt",

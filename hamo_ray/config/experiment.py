@@ -48,6 +48,10 @@ class EvalConfig(_Cfg):
     max_failed_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
     retries: int = Field(default=2, ge=0)
     recover_timeout_s: float = Field(default=300.0, gt=0)  # how long to wait for a healthy endpoint
+    # A folder where stage 0 (the base model before any stage, the same for every method of a seed) is
+    # evaluated once and shared by the runs with the same key (hamo_ray/run/initial.py); a sweep sets
+    # <root>/initial (sweep.share_initial). None: every run evaluates its own stage 0.
+    initial_cache: str | None = None
 
 
 class MethodConfig(_Cfg):

@@ -47,12 +47,20 @@ logger = logging.getLogger(__name__)
 
 # -- the stage --------------------------------------------------------------------------------------
 def initial_stage(ctx: StageContext) -> StageResult:
-    """Stage 0 (``protocol.eval_initial``): every domain's test set before any stage."""
+    """Stage 0 (``protocol.eval_initial``): every domain's test set before any stage, or, with
+    ``eval.initial_cache``, the same evaluation of another run copied (``hamo_ray.run.initial``)."""
+    from hamo_ray.run.initial import shared_initial
+
     logger.info("=== stage 0: evaluation before any stage ===")
-    clock = PhaseClock(tag="stage-0")
-    with clock("evaluate"):
-        scores, stats = evaluate_policy(ctx, 0, None)
-    return StageResult.initial(ctx.cfg.method.name, scores, clock.seconds, stats)
+
+    def play():
+        clock = PhaseClock(tag="stage-0")
+        with clock("evaluate"):
+            played = evaluate_policy(ctx, 0, None)
+        return played, clock.seconds
+
+    cards = lambda: ctx.folder.store(ctx.cfg).count()  # noqa: E731 - asked only with retrieval on
+    return shared_initial(ctx.cfg, ctx.folder, ctx.tasks.test, play, cards)
 
 
 def run_stage(ctx: StageContext, stage: int, domain: str, done: list[StageResult]) -> StageResult:

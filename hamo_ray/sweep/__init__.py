@@ -9,6 +9,7 @@ A sweep file (YAML) names a base config and the grid::
     parallel: 1                           # cells run at once (Ray tasks); 1 on a laptop
     cell_resources: {CPU: 0}              # resources each cell's controller task holds
     share_experts: true                   # cells on the same tasks share expert trajectories (below)
+    share_initial: true                   # cells of a seed play stage 0 once (below)
     run_order: grid                       # grid (method-major) or seed: every cell of a seed, then the next
     grid:
       method: [base, harness, model_only, hamo]
@@ -22,7 +23,10 @@ With ``share_experts`` (the default) every cell gets ``env.expert_cache=<root>/e
 (``hamo_ray/envs/expert_cache.py``): the first cell that plays a stage's tasks stores the simulator's
 expert trajectories, and every other cell on the same tasks (the other methods of that seed) trains on
 exactly those, not on a replay of the expert that may take another route. An override of
-``env.expert_cache`` wins; ``share_experts: false`` lets each cell play its own.
+``env.expert_cache`` wins; ``share_experts: false`` lets each cell play its own. With ``share_initial``
+(the default) every cell gets ``eval.initial_cache=<root>/initial`` (``hamo_ray/run/initial.py``): stage 0,
+the base model before any stage, is the same evaluation for every method of a seed, so the first cell
+plays it and the others copy its result and episodes (``initial_from`` in their ``state.json``).
 
 Cells that finished earlier are skipped (their run folder holds every stage); a killed sweep
 resumes each unfinished cell after its last committed stage. Cells sharing a backbone share one

@@ -36,6 +36,7 @@ class SweepConfig(BaseModel):
     parallel: int = Field(default=1, ge=1)
     cell_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 0})
     share_experts: bool = True  # cells on the same tasks: the same expert trajectories (<root>/experts)
+    share_initial: bool = True  # cells whose stage 0 is the same evaluate it once (<root>/initial)
     run_order: Literal["grid", "seed"] = "grid"  # seed: every cell of a seed before the next seed's
     grid: GridConfig = GridConfig()
 
@@ -120,6 +121,7 @@ def expand_cells(sweep: SweepConfig, base: Path) -> list[tuple[str, HamoConfig]]
                 extra += ["protocol.kind=cross_domain", f"protocol.order=[{','.join(order)}]"]
         name = f"{method}-{_tag(model)}-{order_tag}{vary_tag}-s{seed}"
         shared = [f"env.expert_cache={root / 'experts'}"] if sweep.share_experts else []
+        shared += [f"eval.initial_cache={root / 'initial'}"] if sweep.share_initial else []
         over = [*shared, *sweep.overrides, *extra, f"run.root={root / 'cells'}", f"run.id={name}"]
         cfg = load_config(base, over)
         cells.append((name, cfg))

@@ -78,6 +78,15 @@ def test_tiny_sweep_aggregates(tmp_path):
             files = sorted(cells.glob(f"*-s{seed}/trajectories/stage-{stage}.jsonl"))
             assert len(files) >= 2 and len({f.read_text() for f in files}) == 1, (seed, stage, files)
     assert len(list((tmp_path / "sweep" / "experts").glob("scienceworld-*.jsonl"))) >= 2
+    # share_initial (the default): each seed's stage 0 was played by one cell and copied by the others.
+    for seed in (0, 1):
+        states = {p.parent.name: json.loads(p.read_text()) for p in cells.glob(f"*-s{seed}/state.json")}
+        sources = {name: state["stages"][0].get("initial_from") for name, state in states.items()}
+        (player,) = [name for name, source in sources.items() if source is None]
+        assert set(sources.values()) == {None, player} and len(sources) == 4, sources
+        assert len({json.dumps(s["stages"][0]["scores"]) for s in states.values()}) == 1
+        files = sorted(cells.glob(f"*-s{seed}/episodes/stage-0-scienceworld.jsonl"))
+        assert len(files) == 4 and len({f.read_text() for f in files}) == 1
     # A second submission finds every cell finished and only aggregates again.
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert again.returncode == 0 and "8 finished" in (again.stdout + again.stderr)
