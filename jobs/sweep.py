@@ -47,8 +47,10 @@ from hamo_ray.sweep import (  # noqa: E402
     export_finished,
     load_sweep,
     prepare_cells,
+    restore_shared,
     results_dir,
     run_cells,
+    save_shared,
     start_cluster,
 )
 
@@ -76,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, cfg in cells:
             print(f"--- # {name}\n{cfg.to_yaml()}", end="")
         return 0
+    try:  # the shared caches kept with the results (experts, stage 0): cells on other machines share them
+        restore_shared(sweep)
+        save_shared(sweep)
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     exported = export_finished(sweep, cells, streams)  # e.g. finished before `results` was set
     if exported:
         logger.info("sweep: %d finished cells exported to %s", len(exported), results_dir(sweep))

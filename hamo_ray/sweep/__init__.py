@@ -54,12 +54,16 @@ results (anything but the sections ``run``, ``ray``, ``serve``, ``rollout``): su
 named in a warning and the cell runs again. Cells finished in their run folder but not (or differently)
 exported are exported when the sweep starts. The aggregate reads a cell's metrics from its run folder,
 else from its export, and is also written to ``<results>/`` (summary.json, table.md, report.md, plots).
+The shared caches (``<root>/experts``, ``<root>/initial``) are kept there too, under ``<results>/shared/``,
+and restored when a sweep starts (``hamo_ray/sweep/shared.py``), so the cells of a seed run on another
+machine share the experts and stage 0 of those exported before.
 
 Where the parts live (every name is importable from here):
 
 - ``sweep.grid``: the sweep file (``SweepConfig``, ``load_sweep``) and its cells (``expand_cells``,
   ``setting_of``);
 - ``sweep.export``: the results folder (``export_cell``, ``exported_cell``, ``stale_keys``, ``cell_metrics``);
+- ``sweep.shared``: the shared caches kept with the results (``save_shared``, ``restore_shared``);
 - ``sweep.runner``: the scheduler (``prepare_cells``, ``export_finished``, ``cells_to_run``,
   ``start_cluster``, ``run_cells``, ``record_failure``); ``jobs/sweep.py`` is its command line;
 - ``sweep.stats``: the statistics over the cells' metrics (pure functions);
@@ -88,6 +92,7 @@ from hamo_ray.sweep.runner import (
     run_cells,
     start_cluster,
 )
+from hamo_ray.sweep.shared import restore_shared, save_shared
 from hamo_ray.sweep.stats import SettingStats, method_summary, setting_stats, stage_average, sweep_stats
 
 __all__ = [
@@ -108,9 +113,11 @@ __all__ = [
     "prepare_cells",
     "record_failure",
     "report",
+    "restore_shared",
     "results_dir",
     "run_cells",
     "save_export",
+    "save_shared",
     "setting_of",
     "setting_stats",
     "stage_average",

@@ -18,6 +18,7 @@ from pathlib import Path
 from hamo_ray.config import ConfigError, HamoConfig
 from hamo_ray.sweep.export import exported_cell, results_dir, same_file, save_export, stale_keys
 from hamo_ray.sweep.grid import SweepConfig, expand_cells
+from hamo_ray.sweep.shared import save_shared
 
 logger = logging.getLogger("hamo_ray.sweep")
 
@@ -184,6 +185,10 @@ def run_cells(
                 except Exception as exc:  # a failed cell is reported; the others go on
                     pace.failed(name)
                     record_failure(name, streams[name].folder.path, exc, failed)
+                try:  # what the cell added to the shared caches, kept with the results (hamo_ray.sweep.shared)
+                    save_shared(sweep)
+                except OSError as exc:
+                    logger.warning("sweep: keeping the shared caches failed: %s", exc)
     finally:
         for n in range(len(indexes)):
             try:
