@@ -32,14 +32,19 @@ def detect_device() -> str:
 
 
 def engine_env(serve: ServeConfig, device: str | None = None) -> dict[str, str]:
-    """CPU only: KV-cache size, OS-scheduled OpenMP threads (``nobind``: a shared machine), and
-    ``serve.num_cpus`` torch threads. Empty on CUDA."""
+    """CPU only: KV-cache size, OS-scheduled OpenMP threads (``nobind``: a shared machine),
+    ``serve.num_cpus`` torch threads, and vLLM's older compile cache (``VLLM_USE_AOT_COMPILE=0``: with
+    torch 2.13 vLLM 0.32 saves its AOT-compiled model but cannot load it back, "Compiling model again";
+    the older cache brings a compiled engine's second start from the same folder from 103 s to 49 s,
+    the same greedy tokens, ``benchmarks/bench_engine_start.py``). A value already in the environment
+    wins (``start_engine``). Empty on CUDA."""
     if (device or detect_device()) != "cpu":
         return {}
     return {
         "VLLM_CPU_KVCACHE_SPACE": str(int(serve.kv_cache_gib)),
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": str(max(1, math.ceil(serve.num_cpus))),
+        "VLLM_USE_AOT_COMPILE": "0",
     }
 
 
