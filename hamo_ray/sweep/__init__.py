@@ -11,6 +11,7 @@ A sweep file (YAML) names a base config and the grid::
     share_experts: true                   # cells on the same tasks share expert trajectories (below)
     share_initial: true                   # cells of a seed play stage 0 once (below)
     run_order: grid                       # grid (method-major) or seed: every cell of a seed, then the next
+    shared: null                          # where the shared caches are kept; null: <results>/shared (below)
     grid:
       method: [base, harness, model_only, hamo]
       model: [embedded]                   # model.path values
@@ -54,9 +55,11 @@ results (anything but the sections ``run``, ``ray``, ``serve``, ``rollout``): su
 named in a warning and the cell runs again. Cells finished in their run folder but not (or differently)
 exported are exported when the sweep starts. The aggregate reads a cell's metrics from its run folder,
 else from its export, and is also written to ``<results>/`` (summary.json, table.md, report.md, plots).
-The shared caches (``<root>/experts``, ``<root>/initial``) are kept there too, under ``<results>/shared/``,
-and restored when a sweep starts (``hamo_ray/sweep/shared.py``), so the cells of a seed run on another
-machine share the experts and stage 0 of those exported before.
+The shared caches (``<root>/experts``, ``<root>/initial``) are kept there too, under ``<results>/shared/``
+(or the folder ``shared:`` names, relative to the current directory: two sweeps over one root, such as
+an experiment's trained and flat methods, name one folder), and restored when a sweep starts
+(``hamo_ray/sweep/shared.py``), so the cells of a seed run on another machine share the experts and
+stage 0 of those exported before.
 
 Where the parts live (every name is importable from here):
 

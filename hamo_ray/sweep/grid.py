@@ -38,6 +38,10 @@ class SweepConfig(BaseModel):
     share_experts: bool = True  # cells on the same tasks: the same expert trajectories (<root>/experts)
     share_initial: bool = True  # cells whose stage 0 is the same evaluate it once (<root>/initial)
     run_order: Literal["grid", "seed"] = "grid"  # seed: every cell of a seed before the next seed's
+    # where the shared caches are kept (hamo_ray/sweep/shared.py); None: <results>/shared. Two sweeps over
+    # one root (e.g. the trained and the flat methods of one experiment) name one folder, so that on a new
+    # machine both restore the same experts and stage 0.
+    shared: str | None = None
     grid: GridConfig = GridConfig()
 
 
@@ -74,6 +78,20 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> tuple[SweepConfig
         raise ConfigError(f"sweep file {str(p)!r}: base config {sweep.base!r} does not exist")
     if sweep.results is not None:
         _check_results(sweep, p)
+    if sweep.shared is not None:
+        if sweep.results is None:
+            raise ConfigError(
+                f"sweep file {str(p)!r}: shared: {sweep.shared!r} needs results: (the caches are kept "
+                "for the cells exported there)"
+            )
+        kept = Path(sweep.shared).expanduser()
+        if kept.exists() and not kept.is_dir():
+            raise ConfigError(f"sweep file {str(p)!r}: shared: {sweep.shared!r} exists and is not a folder")
+        if kept.resolve() == Path(sweep.root).expanduser().resolve():
+            raise ConfigError(
+                f"sweep file {str(p)!r}: shared: {sweep.shared!r} is the sweep's root (the caches live "
+                "there already); give a tracked folder"
+            )
     return sweep, base
 
 

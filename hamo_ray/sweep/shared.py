@@ -6,7 +6,8 @@ run folders, and are lost with the machine; a sweep that runs over several machi
 then replay the expert for the later cells of a seed, and ScienceWorld's expert takes other routes on
 another load (22 of 48 trajectories differed between two cells), so the methods of one seed would no
 longer train on the same data. With ``results`` set, each cache is therefore also kept, gzip-compressed,
-under ``<results>/shared/<cache>/``:
+under ``<results>/shared/<cache>/`` (or under ``<shared>/<cache>/`` when the sweep file sets ``shared:``,
+so that two sweeps over one root, such as an experiment's trained and flat methods, keep one copy):
 
 - ``restore_shared`` (at the sweep's start) copies every kept entry into ``<root>/<cache>/``; a kept
   entry wins over a different local one (a warning names it): the exported cells trained on the kept one;
@@ -29,6 +30,13 @@ from hamo_ray.sweep.grid import SweepConfig
 logger = logging.getLogger("hamo_ray.sweep")
 
 CACHES = {"experts": "share_experts", "initial": "share_initial"}  # <root>/<name>, the sweep key that sets it
+
+
+def kept_folder(sweep: SweepConfig) -> Path | None:
+    """Where the caches are kept: the sweep's ``shared:``, else ``<results>/shared``; None without results."""
+    if not sweep.results:
+        return None
+    return Path(sweep.shared) if sweep.shared else Path(sweep.results) / "shared"
 
 
 def _caches(sweep: SweepConfig) -> list[str]:
@@ -59,10 +67,10 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def save_shared(sweep: SweepConfig) -> list[Path]:
-    """Keep every local cache entry not yet under ``<results>/shared/``; returns the files written."""
+    """Keep every local cache entry not yet kept (:func:`kept_folder`); returns the files written."""
     written = []
     for name in _caches(sweep):
-        local, kept = Path(sweep.root) / name, Path(sweep.results) / "shared" / name
+        local, kept = Path(sweep.root) / name, kept_folder(sweep) / name
         for rel in _local_files(local):
             dest = kept / f"{rel}.gz"
             if dest.exists():
@@ -71,9 +79,7 @@ def save_shared(sweep: SweepConfig) -> list[Path]:
             _write_atomic(dest, gzip.compress((local / rel).read_bytes(), mtime=0))
             written.append(dest)
     if written:
-        logger.info(
-            "sweep: kept %d shared cache files under %s", len(written), Path(sweep.results) / "shared"
-        )
+        logger.info("sweep: kept %d shared cache files under %s", len(written), kept_folder(sweep))
     return written
 
 
@@ -86,7 +92,7 @@ def restore_shared(sweep: SweepConfig) -> list[Path]:
     """
     written = []
     for name in _caches(sweep):
-        local, kept = Path(sweep.root) / name, Path(sweep.results) / "shared" / name
+        local, kept = Path(sweep.root) / name, kept_folder(sweep) / name
         if not kept.is_dir():
             continue
         for gz in sorted(kept.rglob("*.gz")):
@@ -109,7 +115,5 @@ def restore_shared(sweep: SweepConfig) -> list[Path]:
             _write_atomic(dest, data)
             written.append(dest)
     if written:
-        logger.info(
-            "sweep: restored %d shared cache files from %s", len(written), Path(sweep.results) / "shared"
-        )
+        logger.info("sweep: restored %d shared cache files from %s", len(written), kept_folder(sweep))
     return written

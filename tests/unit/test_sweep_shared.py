@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from hamo_ray.config import ConfigError
 from hamo_ray.envs.expert_cache import read_entry
 from hamo_ray.sweep import load_sweep, restore_shared, save_shared
 from hamo_ray.types import TaskSpec, Trajectory
@@ -118,3 +119,45 @@ def test_a_broken_kept_file_stops_the_sweep_naming_it(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2 and str(bad) in proc.stderr and "cannot be read" in proc.stderr
     assert not (tmp_path / "root" / "experts").exists()  # nothing restored, no cell started
+
+
+def test_two_sweeps_over_one_root_keep_and_restore_one_folder(tmp_path):
+    """The flat methods' sweep names the trained sweep's kept caches (``shared:``): on a new machine it
+    restores the experts the trained cells used, and what it adds lands in the same folder."""
+    kept = tmp_path / "trained" / "shared"
+    trained = _sweep(tmp_path, results="trained")
+    _fill(tmp_path / "root")
+    save_shared(trained)
+    flat = _sweep(tmp_path, root="new-root", results="flat", shared=str(kept))
+    restored = restore_shared(flat)
+    assert sorted(p.relative_to(tmp_path / "new-root").as_posix() for p in restored) == [
+        "experts/scienceworld-abc.jsonl",
+        "initial/stage0-key1/episodes/stage-0-scienceworld.jsonl",
+        "initial/stage0-key1/result.json",
+    ]
+    assert read_entry(tmp_path / "new-root" / "experts" / "scienceworld-abc.jsonl")[0].actions == [
+        "go to kitchen"
+    ]
+    (tmp_path / "new-root" / "initial" / "stage0-key3").mkdir()
+    (tmp_path / "new-root" / "initial" / "stage0-key3" / "result.json").write_text("{}")
+    assert [p.relative_to(kept).as_posix() for p in save_shared(flat)] == [
+        "initial/stage0-key3/result.json.gz"
+    ]
+    assert not (tmp_path / "flat" / "shared").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"results": None}, "needs results"),
+        ({"shared": "root"}, "is the sweep's root"),
+        ({"shared": "a-file"}, "is not a folder"),
+    ],
+)
+def test_a_bad_shared_folder_is_named(tmp_path, monkeypatch, extra, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    extra = {"shared": "kept", **extra}
+    results = extra.pop("results", "results")
+    with pytest.raises(ConfigError, match=rf"shared: .*{message}"):
+        _sweep(tmp_path, results=results, **extra)
