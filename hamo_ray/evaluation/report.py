@@ -160,9 +160,13 @@ METRICS = {
 
 
 def paired_table(
-    cells: list[dict], pairs: list[tuple[str, str]] = PAIRS, metric: str = "stage average"
+    cells: list[dict],
+    pairs: list[tuple[str, str]] = PAIRS,
+    metric: str = "stage average",
+    planned: int | None = None,
 ) -> str:
-    """Differences ``a - b`` of one of :data:`METRICS` per seed (both cells finished) and their interval."""
+    """Differences ``a - b`` of one of :data:`METRICS` per seed (both cells finished) and their interval;
+    ``planned``: the seeds the design reads the rule at (fewer give an interim reading, :func:`reading`)."""
     if metric not in METRICS:
         raise ValueError(f"paired_table: unknown metric {metric!r}; choose one of {sorted(METRICS)}")
     value = METRICS[metric]
@@ -179,19 +183,33 @@ def paired_table(
         row = [f"{diffs[s]:+.1f}" if s in diffs else "-" for s in seeds]
         interval = mean_interval(list(diffs.values()))
         lines.append(
-            f"| `{a} - {b}` | " + " | ".join(row) + f" | {_fmt(interval)} | {reading(interval, a, b)} |"
+            f"| `{a} - {b}` | "
+            + " | ".join(row)
+            + f" | {_fmt(interval)} | {reading(interval, a, b, planned)} |"
         )
     if len(lines) == 2:  # no pair has both cells of any seed yet (a sweep's first cells)
         return f"No paired difference ({metric}) yet: no seed has both cells of any pair."
     return "\n".join(lines)
 
 
-def reading(interval: dict, a: str, b: str) -> str:
+def reading(interval: dict, a: str, b: str, planned: int | None = None) -> str:
     """The decision rule of the learning experiments (docs/results.md): a paired difference ``a - b``
     is *decided* when its 95% t interval over seeds excludes 0, *undecided* otherwise; one seed has no
-    interval, so it decides nothing."""
-    if interval["n"] < 2:
+    interval, so it decides nothing. With ``planned`` (the seeds a fixed design reads the rule at) and
+    fewer seeds in, the reading is *interim*: it says where the interval lies and decides nothing, since
+    reading the rule after every seed and stopping at the first exclusion would decide more often than
+    the 95% it states."""
+    n = interval["n"]
+    if n < 2:
         return "one seed"
+    if planned is not None and n < planned:
+        if interval["ci_low"] > 0:
+            where = f"excludes 0, `{a}` above"
+        elif interval["ci_high"] < 0:
+            where = f"excludes 0, `{b}` above"
+        else:
+            where = "includes 0"
+        return f"interim ({n} of {planned} seeds): {where}"
     if interval["ci_low"] > 0:
         return f"decided: `{a}` above"
     if interval["ci_high"] < 0:
@@ -252,8 +270,15 @@ def curves_plot(cells: list[dict], out: Path) -> Path:
     return out
 
 
-def section(cells: list[dict], name: str, plot: Path | None, doc_dir: Path | None = None) -> str:
-    """The markdown section of one experiment (the tables, the plot link, the cells' wall time)."""
+def section(
+    cells: list[dict],
+    name: str,
+    plot: Path | None,
+    doc_dir: Path | None = None,
+    planned: int | None = None,
+) -> str:
+    """The markdown section of one experiment (the tables, the plot link, the cells' wall time);
+    ``planned``: the seeds its design reads the decision rule at (:func:`reading`)."""
     hours = sum(c["seconds"] for c in cells) / 3600
     parts = [
         f"Finished cells: {len(cells)} ({', '.join(c['name'] for c in cells)}); their stages took "
@@ -261,12 +286,12 @@ def section(cells: list[dict], name: str, plot: Path | None, doc_dir: Path | Non
         "",
         method_table(cells),
         "",
-        paired_table(cells),
+        paired_table(cells, planned=planned),
     ]
     if _across_domains(cells):  # within one domain both are the final score: no more tables
         # what the first domain kept against what the last one learnt (stability against plasticity)
         for metric in ("first-domain retention", "last-domain score"):
-            parts += ["", paired_table(cells, metric=metric)]
+            parts += ["", paired_table(cells, metric=metric, planned=planned)]
     parts += ["", stage_table(cells)]
     if plot is not None:
         rel = plot.relative_to(doc_dir) if doc_dir is not None else plot
@@ -295,7 +320,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--name", required=True, help="the section's marker name in --doc")
     parser.add_argument("--doc", help="the document to update (else the section is printed)")
+    parser.add_argument(
+        "--planned-seeds",
+        type=int,
+        default=None,
+        help="the seeds the design reads the decision rule at; with fewer in, readings are interim",
+    )
     args = parser.parse_args(argv)
+    if args.planned_seeds is not None and args.planned_seeds < 2:
+        print(f"error: --planned-seeds {args.planned_seeds}: a paired interval needs at least 2 seeds")
+        return 2
     try:
         cells = load_all([Path(f) for f in args.results])
     except (FileNotFoundError, ValueError) as exc:
@@ -307,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = Path(args.doc) if args.doc else None
     out = doc.parent if doc else Path(args.results[0])
     plot = curves_plot(cells, out / "results" / f"{args.name}.png")
-    text = section(cells, args.name, plot, doc.parent if doc else None)
+    text = section(cells, args.name, plot, doc.parent if doc else None, planned=args.planned_seeds)
     if doc is None:
         print(text)
     else:

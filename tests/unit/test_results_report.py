@@ -162,6 +162,39 @@ def test_the_decision_rule_reads_each_paired_interval():
     assert reading(mean_interval([5.0]), "hamo", "model_only") == "one seed"
 
 
+def test_a_fixed_design_reads_the_rule_only_at_its_planned_seeds(tmp_path, capsys):
+    """The powered rerun fixed 6 seeds: two seeds whose interval already excludes 0 give an interim
+    reading that decides nothing; at 6 seeds the rule decides. Through the command line too."""
+    from hamo_ray.evaluation.metrics import mean_interval
+
+    two = mean_interval([-15.1, -14.4])
+    assert two["ci_high"] < 0  # the interval of these two seeds excludes 0 ...
+    assert reading(two, "hamo_no_conditioning", "model_only", planned=6) == (
+        "interim (2 of 6 seeds): excludes 0, `model_only` above"
+    )  # ... but the design reads the rule at 6
+    assert reading(mean_interval([5.0, -1.0]), "hamo", "model_only", planned=6) == (
+        "interim (2 of 6 seeds): includes 0"
+    )
+    six = mean_interval([-15.1, -14.4, -12.0, -16.0, -13.5, -14.0])
+    assert reading(six, "hamo_no_conditioning", "model_only", planned=6) == "decided: `model_only` above"
+    assert reading(mean_interval([5.0]), "hamo", "model_only", planned=6) == "one seed"
+
+    for seed, (h, m) in enumerate([(40.0, 30.0), (42.0, 31.0)]):
+        _cell(tmp_path, "hamo", seed, [h, h])
+        _cell(tmp_path, "model_only", seed, [m, m])
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- BEGIN x -->\n<!-- END x -->\n")
+    assert main([str(tmp_path), "--name", "x", "--doc", str(doc), "--planned-seeds", "6"]) == 0
+    assert (
+        "| `hamo - model_only` | +10.0 | +11.0 | 10.5 ± 6.4 | interim (2 of 6 seeds): excludes 0, `hamo` above |"
+        in doc.read_text()
+    )
+    assert main([str(tmp_path), "--name", "x", "--doc", str(doc)]) == 0
+    assert "| 10.5 ± 6.4 | decided: `hamo` above |" in doc.read_text()
+    assert main([str(tmp_path), "--name", "x", "--planned-seeds", "1"]) == 2
+    assert "--planned-seeds 1" in capsys.readouterr().out
+
+
 def test_two_results_folders_make_one_section(tmp_path):
     """The powered design's trained cells and its flat methods are two sweeps with two results folders;
     one section pairs them by seed. A cell in both is refused, named."""
