@@ -77,37 +77,30 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> tuple[SweepConfig
     if not base.is_file():
         raise ConfigError(f"sweep file {str(p)!r}: base config {sweep.base!r} does not exist")
     if sweep.results is not None:
-        _check_results(sweep, p)
+        _check_tracked(sweep, p, "results", "its cells/ would be the run folders")
     if sweep.shared is not None:
         if sweep.results is None:
             raise ConfigError(
                 f"sweep file {str(p)!r}: shared: {sweep.shared!r} needs results: (the caches are kept "
                 "for the cells exported there)"
             )
-        kept = Path(sweep.shared).expanduser()
-        if kept.exists() and not kept.is_dir():
-            raise ConfigError(f"sweep file {str(p)!r}: shared: {sweep.shared!r} exists and is not a folder")
-        if kept.resolve() == Path(sweep.root).expanduser().resolve():
-            raise ConfigError(
-                f"sweep file {str(p)!r}: shared: {sweep.shared!r} is the sweep's root (the caches live "
-                "there already); give a tracked folder"
-            )
+        _check_tracked(sweep, p, "shared", "the caches live there already")
     return sweep, base
 
 
-def _check_results(sweep: SweepConfig, path: Path) -> None:
-    results = Path(sweep.results).expanduser()
-    for folder in (results, *results.parents):  # the folder itself or one above it must not be a file
-        if folder.exists():
-            if not folder.is_dir():
-                raise ConfigError(
-                    f"sweep file {str(path)!r}: results: {str(folder)!r} exists and is not a folder"
-                )
+def _check_tracked(sweep: SweepConfig, path: Path, key: str, why_not_root: str) -> None:
+    """A tracked folder of the sweep file (``results`` or ``shared``): a folder (or none yet), never the root."""
+    value = getattr(sweep, key)
+    folder = Path(value).expanduser()
+    for f in (folder, *folder.parents):  # the folder itself or one above it must not be a file
+        if f.exists():
+            if not f.is_dir():
+                raise ConfigError(f"sweep file {str(path)!r}: {key}: {str(f)!r} exists and is not a folder")
             break
-    if results.resolve() == Path(sweep.root).expanduser().resolve():
+    if folder.resolve() == Path(sweep.root).expanduser().resolve():
         raise ConfigError(
-            f"sweep file {str(path)!r}: results: {sweep.results!r} is the sweep's root "
-            "(its cells/ would be the run folders); give another folder"
+            f"sweep file {str(path)!r}: {key}: {value!r} is the sweep's root ({why_not_root}); "
+            "give another folder"
         )
 
 
