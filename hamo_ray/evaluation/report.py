@@ -24,6 +24,7 @@ import argparse
 import json
 import re
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -159,14 +160,61 @@ METRICS = {
 }
 
 
+@dataclass(frozen=True)
+class Plan:
+    """The seeds a fixed design reads the decision rule at: ``default`` for every method, ``methods``
+    for those planned on fewer or more (the powered rerun: 6 seeds, ``base`` and ``harness`` 3). A pair
+    is read at the smaller plan of its two methods (it cannot have more seeds than that); a method with
+    no plan and no default leaves the pair unplanned (read at any seed count)."""
+
+    default: int | None = None
+    methods: dict[str, int] = field(default_factory=dict)
+
+    def pair(self, a: str, b: str) -> int | None:
+        plans = [n for n in (self.methods.get(a, self.default), self.methods.get(b, self.default)) if n]
+        return min(plans) if plans else None
+
+    @classmethod
+    def parse(cls, entries: list[str]) -> Plan:
+        """From the command line's ``N`` (every method) and ``method=N`` entries.
+
+        Raises:
+            ValueError: an entry that is not ``N`` or ``method=N``, an unknown method, a count below 2
+                (a paired interval needs two seeds), or two defaults (each named).
+        """
+        default, methods = None, {}
+        for entry in entries:
+            method, _, count = entry.rpartition("=")
+            if not count.isdigit():
+                raise ValueError(f"--planned-seeds {entry!r}: expected N or method=N (e.g. 6 base=3)")
+            if method and method not in METHOD_ORDER:
+                raise ValueError(
+                    f"--planned-seeds {entry!r}: unknown method {method!r}; one of {METHOD_ORDER}"
+                )
+            if int(count) < 2:
+                raise ValueError(f"--planned-seeds {entry}: a paired interval needs at least 2 seeds")
+            if not method and default is not None:
+                raise ValueError(f"--planned-seeds: two counts for every method ({default} and {count})")
+            if method:
+                methods[method] = int(count)
+            else:
+                default = int(count)
+        return cls(default, methods)
+
+
+def _plan(planned: int | Plan | None) -> Plan:
+    return planned if isinstance(planned, Plan) else Plan(planned)
+
+
 def paired_table(
     cells: list[dict],
     pairs: list[tuple[str, str]] = PAIRS,
     metric: str = "stage average",
-    planned: int | None = None,
+    planned: int | Plan | None = None,
 ) -> str:
     """Differences ``a - b`` of one of :data:`METRICS` per seed (both cells finished) and their interval;
-    ``planned``: the seeds the design reads the rule at (fewer give an interim reading, :func:`reading`)."""
+    ``planned``: the seeds the design reads the rule at, one count or a :class:`Plan` per method (fewer
+    give an interim reading, :func:`reading`)."""
     if metric not in METRICS:
         raise ValueError(f"paired_table: unknown metric {metric!r}; choose one of {sorted(METRICS)}")
     value = METRICS[metric]
@@ -185,7 +233,7 @@ def paired_table(
         lines.append(
             f"| `{a} - {b}` | "
             + " | ".join(row)
-            + f" | {_fmt(interval)} | {reading(interval, a, b, planned)} |"
+            + f" | {_fmt(interval)} | {reading(interval, a, b, _plan(planned).pair(a, b))} |"
         )
     if len(lines) == 2:  # no pair has both cells of any seed yet (a sweep's first cells)
         return f"No paired difference ({metric}) yet: no seed has both cells of any pair."
@@ -275,7 +323,7 @@ def section(
     name: str,
     plot: Path | None,
     doc_dir: Path | None = None,
-    planned: int | None = None,
+    planned: int | Plan | None = None,
 ) -> str:
     """The markdown section of one experiment (the tables, the plot link, the cells' wall time);
     ``planned``: the seeds its design reads the decision rule at (:func:`reading`)."""
@@ -322,13 +370,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doc", help="the document to update (else the section is printed)")
     parser.add_argument(
         "--planned-seeds",
-        type=int,
-        default=None,
-        help="the seeds the design reads the decision rule at; with fewer in, readings are interim",
+        nargs="+",
+        default=[],
+        metavar="N|METHOD=N",
+        help="the seeds the design reads the decision rule at (N: every method; METHOD=N: one method, "
+        "e.g. 6 base=3 harness=3); a pair with fewer in reads interim",
     )
     args = parser.parse_args(argv)
-    if args.planned_seeds is not None and args.planned_seeds < 2:
-        print(f"error: --planned-seeds {args.planned_seeds}: a paired interval needs at least 2 seeds")
+    try:
+        plan = Plan.parse(args.planned_seeds)
+    except ValueError as exc:
+        print(f"error: {exc}")
         return 2
     try:
         cells = load_all([Path(f) for f in args.results])
@@ -341,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = Path(args.doc) if args.doc else None
     out = doc.parent if doc else Path(args.results[0])
     plot = curves_plot(cells, out / "results" / f"{args.name}.png")
-    text = section(cells, args.name, plot, doc.parent if doc else None, planned=args.planned_seeds)
+    text = section(cells, args.name, plot, doc.parent if doc else None, planned=plan)
     if doc is None:
         print(text)
     else:

@@ -195,6 +195,45 @@ def test_a_fixed_design_reads_the_rule_only_at_its_planned_seeds(tmp_path, capsy
     assert "--planned-seeds 1" in capsys.readouterr().out
 
 
+def test_methods_planned_on_fewer_seeds_are_read_at_their_own_plan(tmp_path, capsys):
+    """The powered rerun plans 6 seeds for the trained methods and 3 for base and harness: a pair is read
+    at the smaller plan of its methods, so ``hamo - base`` decides at 3 seeds while ``hamo - model_only``
+    stays interim. Bad entries are refused, named."""
+    from hamo_ray.evaluation.report import Plan
+
+    plan = Plan.parse(["6", "base=3", "harness=3"])
+    assert plan.pair("hamo", "model_only") == 6
+    assert plan.pair("hamo", "base") == 3 and plan.pair("harness", "base") == 3
+    assert Plan.parse(["base=3"]).pair("hamo", "model_only") is None  # no default: unplanned
+    assert Plan.parse([]).pair("hamo", "base") is None
+    for bad, named in [
+        (["six"], "expected N or method=N"),
+        (["hamo_v2=6"], "unknown method 'hamo_v2'"),
+        (["base=1"], "at least 2 seeds"),
+        (["6", "5"], "two counts"),
+    ]:
+        with pytest.raises(ValueError, match=named):
+            Plan.parse(bad)
+
+    for seed in range(3):
+        _cell(tmp_path, "hamo", seed, [40.0 + seed, 40.0])
+        _cell(tmp_path, "model_only", seed, [30.0, 30.0 + seed])
+        _cell(tmp_path, "base", seed, [5.0, 5.0])
+    table = paired_table(load_cells(tmp_path), planned=plan)
+    assert "| `hamo - base` | +35.0 | +35.5 | +36.0 | 35.5 ± 1.2 | decided: `hamo` above |" in table
+    assert (
+        "| `hamo - model_only` | +10.0 | +10.0 | +10.0 | 10.0 ± 0.0 | interim (3 of 6 seeds): excludes 0"
+        in table
+    )
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- BEGIN x -->\n<!-- END x -->\n")
+    argv = [str(tmp_path), "--name", "x", "--doc", str(doc), "--planned-seeds", "6", "base=3"]
+    assert main(argv) == 0
+    assert "35.5 ± 1.2 | decided: `hamo` above |" in doc.read_text()
+    assert main([str(tmp_path), "--name", "x", "--planned-seeds", "6", "bsae=3"]) == 2
+    assert "unknown method 'bsae'" in capsys.readouterr().out
+
+
 def test_two_results_folders_make_one_section(tmp_path):
     """The powered design's trained cells and its flat methods are two sweeps with two results folders;
     one section pairs them by seed. A cell in both is refused, named."""
