@@ -170,6 +170,17 @@ class Plan:
     default: int | None = None
     methods: dict[str, int] = field(default_factory=dict)
 
+    def describe(self) -> str:
+        """One sentence for the report's section ("" without a plan)."""
+        if self.default is None and not self.methods:
+            return ""
+        counts = [f"{self.default} seeds"] if self.default is not None else []
+        counts += [f"`{m}` {n}" for m, n in sorted(self.methods.items())]
+        return (
+            f"The design reads the decision rule at {', '.join(counts)} (a pair: the smaller plan of its "
+            "two methods); a pair with fewer seeds in reads *interim* and decides nothing."
+        )
+
     def pair(self, a: str, b: str) -> int | None:
         plans = [n for n in (self.methods.get(a, self.default), self.methods.get(b, self.default)) if n]
         return min(plans) if plans else None
@@ -330,7 +341,8 @@ def section(
     hours = sum(c["seconds"] for c in cells) / 3600
     parts = [
         f"Finished cells: {len(cells)} ({', '.join(c['name'] for c in cells)}); their stages took "
-        f"{hours:.1f} h of wall time in all (phases summed).",
+        f"{hours:.1f} h of wall time in all (phases summed)."
+        + (f" {plan}" if (plan := _plan(planned).describe()) else ""),
         "",
         method_table(cells),
         "",

@@ -230,6 +230,8 @@ def test_methods_planned_on_fewer_seeds_are_read_at_their_own_plan(tmp_path, cap
     argv = [str(tmp_path), "--name", "x", "--doc", str(doc), "--planned-seeds", "6", "base=3"]
     assert main(argv) == 0
     assert "35.5 ± 1.2 | decided: `hamo` above |" in doc.read_text()
+    assert "reads the decision rule at 6 seeds, `base` 3 (a pair: the smaller plan" in doc.read_text()
+    assert Plan.parse([]).describe() == ""
     assert main([str(tmp_path), "--name", "x", "--planned-seeds", "6", "bsae=3"]) == 2
     assert "unknown method 'bsae'" in capsys.readouterr().out
 
