@@ -195,8 +195,8 @@ class Plan:
         """
         default, methods = None, {}
         for entry in entries:
-            method, _, count = entry.rpartition("=")
-            if not count.isdigit():
+            method, sep, count = entry.rpartition("=")
+            if not count.isdigit() or (sep and not method):
                 raise ValueError(f"--planned-seeds {entry!r}: expected N or method=N (e.g. 6 base=3)")
             if method and method not in METHOD_ORDER:
                 raise ValueError(

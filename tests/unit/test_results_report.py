@@ -208,6 +208,7 @@ def test_methods_planned_on_fewer_seeds_are_read_at_their_own_plan(tmp_path, cap
     assert Plan.parse([]).pair("hamo", "base") is None
     for bad, named in [
         (["six"], "expected N or method=N"),
+        (["=3"], "expected N or method=N"),
         (["hamo_v2=6"], "unknown method 'hamo_v2'"),
         (["base=1"], "at least 2 seeds"),
         (["6", "5"], "two counts"),
