@@ -5,17 +5,14 @@ to every paired row of a section."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import get_args
 
-METHOD_ORDER = [
-    "base",
-    "harness",
-    "model_only",
-    "agenttuning",
-    "eto",
-    "hamo",
-    "hamo_no_conditioning",
-    "hamo_release",
-]
+
+def method_names() -> tuple[str, ...]:
+    """Every method a config can name (``method.name``)."""
+    from hamo_ray.config.experiment import MethodConfig
+
+    return get_args(MethodConfig.model_fields["name"].annotation)
 
 
 @dataclass(frozen=True)
@@ -56,9 +53,9 @@ class Plan:
             method, sep, count = entry.rpartition("=")
             if not count.isdigit() or (sep and not method):
                 raise ValueError(f"--planned-seeds {entry!r}: expected N or method=N (e.g. 6 base=3)")
-            if method and method not in METHOD_ORDER:
+            if method and method not in method_names():
                 raise ValueError(
-                    f"--planned-seeds {entry!r}: unknown method {method!r}; one of {METHOD_ORDER}"
+                    f"--planned-seeds {entry!r}: unknown method {method!r}; one of {list(method_names())}"
                 )
             if int(count) < 2:
                 raise ValueError(f"--planned-seeds {entry}: a paired interval needs at least 2 seeds")
@@ -72,6 +69,7 @@ class Plan:
 
 
 def plan_of(planned: int | Plan | None) -> Plan:
+    """A :class:`Plan` from one count for every method (or none), or the plan itself."""
     return planned if isinstance(planned, Plan) else Plan(planned)
 
 

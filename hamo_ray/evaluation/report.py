@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from hamo_ray.evaluation.decision import METHOD_ORDER, Plan, plan_of, reading
+from hamo_ray.evaluation.decision import Plan, plan_of, reading
 from hamo_ray.evaluation.metrics import fmt, mean_interval, scored
 
 PAIRS = [
@@ -41,6 +41,16 @@ PAIRS = [
     ("hamo", "hamo_no_conditioning"),  # the ablations (rows appear once their cells exist)
     ("hamo_no_conditioning", "model_only"),  # cards at inference to a model trained without them
     ("hamo_release", "hamo"),
+]
+METHOD_ORDER = [
+    "base",
+    "harness",
+    "model_only",
+    "agenttuning",
+    "eto",
+    "hamo",
+    "hamo_no_conditioning",
+    "hamo_release",
 ]
 
 

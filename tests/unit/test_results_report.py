@@ -206,6 +206,7 @@ def test_methods_planned_on_fewer_seeds_are_read_at_their_own_plan(tmp_path, cap
     assert plan.pair("hamo", "base") == 3 and plan.pair("harness", "base") == 3
     assert Plan.parse(["base=3"]).pair("hamo", "model_only") is None  # no default: unplanned
     assert Plan.parse([]).pair("hamo", "base") is None
+    assert Plan.parse(["hamo_no_replay=4"]).pair("hamo_no_replay", "hamo") == 4  # any method a config names
     for bad, named in [
         (["six"], "expected N or method=N"),
         (["=3"], "expected N or method=N"),
