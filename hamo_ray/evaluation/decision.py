@@ -73,23 +73,27 @@ def plan_of(planned: int | Plan | None) -> Plan:
     return planned if isinstance(planned, Plan) else Plan(planned)
 
 
-def reading(interval: dict, a: str, b: str, planned: int | None = None) -> str:
+def reading(interval: dict, a: str, b: str, planned: int | None = None, decides: bool = True) -> str:
     """The decision rule of the learning experiments (docs/results.md): a paired difference ``a - b``
     is *decided* when its 95% t interval over seeds excludes 0, *undecided* otherwise; one seed has no
     interval, so it decides nothing. With ``planned`` (the seeds a fixed design reads the rule at) and
     fewer seeds in, the reading is *interim*: it says where the interval lies and decides nothing, since
     reading the rule after every seed and stopping at the first exclusion would decide more often than
-    the 95% it states."""
+    the 95% it states. ``decides=False``: a score the design reports beside the one it decides on (the
+    cross-domain rerun decides on retention only); the reading says where the interval lies and never
+    decides, at any seed count (reading three scores would decide more often than the stated 95%)."""
     n = interval["n"]
     if n < 2:
         return "one seed"
+    if interval["ci_low"] > 0:
+        where = f"excludes 0, `{a}` above"
+    elif interval["ci_high"] < 0:
+        where = f"excludes 0, `{b}` above"
+    else:
+        where = "includes 0"
+    if not decides:
+        return f"reported, decides nothing: {where}"
     if planned is not None and n < planned:
-        if interval["ci_low"] > 0:
-            where = f"excludes 0, `{a}` above"
-        elif interval["ci_high"] < 0:
-            where = f"excludes 0, `{b}` above"
-        else:
-            where = "includes 0"
         return f"interim ({n} of {planned} seeds): {where}"
     if interval["ci_low"] > 0:
         return f"decided: `{a}` above"

@@ -15,7 +15,9 @@ forgetting, BWT), each as the mean and its 95% t interval over seeds; the paired
 difference removes most of the sampling noise the seeds share), each read by the decision rule
 (:func:`reading`: decided when the interval excludes 0), on the stage average and, across
 domains, on the first domain's retention and the last domain's score; every method's per-stage scores; and
-the finished cells' wall time. Nothing here runs an experiment.
+the finished cells' wall time. A design that decides on one metric names it (``--decide-on "first-domain
+retention"``): the other tables then say where their intervals lie and decide nothing. Nothing here runs
+an experiment.
 """
 
 from __future__ import annotations
@@ -165,10 +167,12 @@ def paired_table(
     pairs: list[tuple[str, str]] = PAIRS,
     metric: str = "stage average",
     planned: int | Plan | None = None,
+    decides: bool = True,
 ) -> str:
     """Differences ``a - b`` of one of :data:`METRICS` per seed (both cells finished) and their interval;
     ``planned``: the seeds the design reads the rule at, one count or a :class:`Plan` per method (fewer
-    give an interim reading, :func:`reading`)."""
+    give an interim reading, :func:`reading`); ``decides=False``: a metric the design reports beside the
+    one it decides on, whose readings never decide."""
     if metric not in METRICS:
         raise ValueError(f"paired_table: unknown metric {metric!r}; choose one of {sorted(METRICS)}")
     value = METRICS[metric]
@@ -187,7 +191,7 @@ def paired_table(
         lines.append(
             f"| `{a} - {b}` | "
             + " | ".join(row)
-            + f" | {_fmt(interval)} | {reading(interval, a, b, plan_of(planned).pair(a, b))} |"
+            + f" | {_fmt(interval)} | {reading(interval, a, b, plan_of(planned).pair(a, b), decides)} |"
         )
     if len(lines) == 2:  # no pair has both cells of any seed yet (a sweep's first cells)
         return f"No paired difference ({metric}) yet: no seed has both cells of any pair."
@@ -196,6 +200,12 @@ def paired_table(
 
 def _across_domains(cells: list[dict]) -> bool:
     return any(len(scored(c["metrics"]["stage_scores"])) > 1 for c in cells)
+
+
+def shown_metrics(cells: list[dict]) -> list[str]:
+    """The metrics a section pairs: the stage average and, across domains, what the first domain kept
+    against what the last one learnt (within one domain both are the final score: no more tables)."""
+    return list(METRICS) if _across_domains(cells) else ["stage average"]
 
 
 def stage_table(cells: list[dict]) -> str:
@@ -253,23 +263,38 @@ def section(
     plot: Path | None,
     doc_dir: Path | None = None,
     planned: int | Plan | None = None,
+    decide_on: list[str] | None = None,
 ) -> str:
     """The markdown section of one experiment (the tables, the plot link, the cells' wall time);
-    ``planned``: the seeds its design reads the decision rule at (:func:`reading`)."""
+    ``planned``: the seeds its design reads the decision rule at (:func:`reading`); ``decide_on``: the
+    metrics its design decides on (None: every metric shown decides); the other tables are reported
+    and decide nothing, since reading the rule on several scores decides more often than its 95%.
+
+    Raises:
+        ValueError: ``decide_on`` names a metric the section does not pair (names it and those shown).
+    """
+    shown = shown_metrics(cells)
+    if decide_on is not None and (not decide_on or (extra := [m for m in decide_on if m not in shown])):
+        raise ValueError(
+            f"--decide-on {', '.join(extra if decide_on else ['(nothing)'])}: not paired in this section; "
+            f"it pairs {', '.join(shown)}"
+            + (" (one domain: the stage average only)" if shown == ["stage average"] else "")
+        )
     hours = sum(c["seconds"] for c in cells) / 3600
-    parts = [
+    head = (
         f"Finished cells: {len(cells)} ({', '.join(c['name'] for c in cells)}); their stages took "
         f"{hours:.1f} h of wall time in all (phases summed)."
-        + (f" {plan}" if (plan := plan_of(planned).describe()) else ""),
-        "",
-        method_table(cells),
-        "",
-        paired_table(cells, planned=planned),
-    ]
-    if _across_domains(cells):  # within one domain both are the final score: no more tables
-        # what the first domain kept against what the last one learnt (stability against plasticity)
-        for metric in ("first-domain retention", "last-domain score"):
-            parts += ["", paired_table(cells, metric=metric, planned=planned)]
+        + (f" {plan}" if (plan := plan_of(planned).describe()) else "")
+    )
+    if decide_on is not None and set(decide_on) != set(shown):
+        head += (
+            f" The design decides on {' and '.join(decide_on)} only; the other differences are reported "
+            "and decide nothing."
+        )
+    parts = [head, "", method_table(cells)]
+    for metric in shown:
+        decides = decide_on is None or metric in decide_on
+        parts += ["", paired_table(cells, metric=metric, planned=planned, decides=decides)]
     parts += ["", stage_table(cells)]
     if plot is not None:
         rel = plot.relative_to(doc_dir) if doc_dir is not None else plot
@@ -306,7 +331,17 @@ def main(argv: list[str] | None = None) -> int:
         help="the seeds the design reads the decision rule at (N: every method; METHOD=N: one method, "
         "e.g. 6 base=3 harness=3); a pair with fewer in reads interim",
     )
+    parser.add_argument(
+        "--decide-on",
+        nargs="+",
+        metavar="METRIC",
+        help=f"the metrics the design decides on ({'; '.join(METRICS)}; default: every one shown); "
+        "the other paired tables are reported and decide nothing",
+    )
     args = parser.parse_args(argv)
+    if args.decide_on and (unknown := [m for m in args.decide_on if m not in METRICS]):
+        print(f"error: --decide-on {', '.join(unknown)}: not a metric; choose from {'; '.join(METRICS)}")
+        return 2
     try:
         plan = Plan.parse(args.planned_seeds)
     except ValueError as exc:
@@ -322,8 +357,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     doc = Path(args.doc) if args.doc else None
     out = doc.parent if doc else Path(args.results[0])
-    plot = curves_plot(cells, out / "results" / f"{args.name}.png")
-    text = section(cells, args.name, plot, doc.parent if doc else None, planned=plan)
+    plot = out / "results" / f"{args.name}.png"
+    try:
+        text = section(
+            cells, args.name, plot, doc.parent if doc else None, planned=plan, decide_on=args.decide_on
+        )
+    except ValueError as exc:  # refused before anything is written
+        print(f"error: {exc}")
+        return 2
+    curves_plot(cells, plot)
     if doc is None:
         print(text)
     else:

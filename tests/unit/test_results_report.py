@@ -262,3 +262,57 @@ def test_two_results_folders_make_one_section(tmp_path):
     with pytest.raises(ValueError, match="hamo-s1 is in both"):
         load_all([trained, flat])
     assert main([str(trained), str(flat), "--name", "both", "--doc", str(doc)]) == 1
+
+
+def test_a_design_that_decides_on_retention_reports_the_other_metrics_without_deciding(tmp_path, capsys):
+    """The powered cross-domain rerun decides on first-domain retention only: at its 6 seeds the
+    retention table decides, while the stage-average and last-domain tables say where their intervals
+    lie and decide nothing (reading the rule on three scores would decide more often than its 95%).
+    A metric the section does not pair, or no metric at all, is refused by name."""
+    from hamo_ray.evaluation.metrics import mean_interval
+
+    six = mean_interval([5.0, 6.0, 7.0, 5.5, 6.5, 6.0])
+    assert reading(six, "hamo", "model_only", planned=6, decides=False) == (
+        "reported, decides nothing: excludes 0, `hamo` above"
+    )
+    assert reading(mean_interval([5.0, -1.0]), "hamo", "model_only", decides=False) == (
+        "reported, decides nothing: includes 0"
+    )
+    assert reading(mean_interval([5.0]), "hamo", "model_only", decides=False) == "one seed"
+
+    cross = tmp_path / "cross"
+    for seed in range(6):
+        _cross_cell(cross, "hamo", seed, [30, 40, 35 + seed % 2])
+        _cross_cell(cross, "model_only", seed, [30, 30, 5 + seed % 3])
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- BEGIN x -->\n<!-- END x -->\n")
+    argv = [str(cross), "--name", "x", "--doc", str(doc), "--planned-seeds", "6"]
+    assert main([*argv, "--decide-on", "first-domain retention"]) == 0
+    text = doc.read_text()
+    assert "The design decides on first-domain retention only" in text
+    tables = {t.split("\n")[0]: t for t in text.split("\n\n") if t.startswith("| difference")}
+    (retention,) = [t for h, t in tables.items() if "(first-domain retention)" in h]
+    (average,) = [t for h, t in tables.items() if "(stage average)" in h]
+    (last,) = [t for h, t in tables.items() if "(last-domain score)" in h]
+    assert "| decided: `hamo` above |" in retention
+    assert "| reported, decides nothing: excludes 0, `hamo` above |" in average
+    assert "decided" not in average.replace("decides nothing", "")
+    assert "| reported, decides nothing: includes 0 |" in last  # webshop scores 10 in every cell
+    assert main(argv) == 0  # no --decide-on: every table decides, as before
+    assert "| decided: `hamo` above |" in doc.read_text().split("(stage average)")[1].split("\n\n")[0]
+
+    assert main([*argv, "--decide-on", "accuracy"]) == 2
+    assert "--decide-on accuracy: not a metric" in capsys.readouterr().out
+    within = tmp_path / "within"
+    _cell(within, "hamo", 0, [30, 40])
+    _cell(within, "model_only", 0, [20, 30])
+    assert main([str(within), "--name", "x", "--decide-on", "first-domain retention"]) == 2
+    assert not (within / "results").exists()  # refused before its plot was drawn
+    out = capsys.readouterr().out
+    assert "--decide-on first-domain retention: not paired in this section" in out
+    assert "the stage average only" in out
+    with pytest.raises(ValueError, match=r"--decide-on \(nothing\)"):
+        section(load_cells(cross), "x", plot=None, decide_on=[])
+    before = doc.read_text()
+    assert main([*argv, "--decide-on", "last-domain scor"]) == 2
+    assert doc.read_text() == before  # a refused run leaves the document as it was
