@@ -266,7 +266,8 @@ class Checker:
         elif (cand in PENDING or cand.rstrip("/") + "/" in PENDING) and not exists(cand):
             self.pending.add(cand.rstrip("/") + "/" if cand.rstrip("/") + "/" in PENDING else cand)
         elif cand.startswith("results/") and cand.count("/") == 1 and "." in cand:
-            self.counts["skipped"] += 1  # a run folder's results/<file>; the repository's are results/<sweep>/
+            # a run folder's results/<file>; the repository's are results/<sweep>/
+            self.counts["skipped"] += 1
         elif cand.startswith("benchmarks/results/"):
             self.counts["skipped"] += 1  # written by the benchmarks, ignored by git
         elif "/" in cand and cand.split("/")[0] in self.top:
