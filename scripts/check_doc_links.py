@@ -35,7 +35,6 @@ PENDING = {
     "docs/results.md": "the learning experiments (written by another change)",
     "results/smollm2-within/": "exported by jobs/configs/sweep-smollm2-within.yaml as its cells finish",
     "results/smollm2-powered-cross/": "exported by jobs/configs/sweep-smollm2-powered-cross.yaml (not run yet)",
-    "results/smollm2-powered-flat/": "exported by jobs/configs/sweep-smollm2-powered-flat.yaml (not run yet)",
 }
 # Files of other projects, named where the text says whose they are.
 EXTERNAL = {"llm_config.py", "goal.py", "setup.sh", "auth_token", "served_adapters.json"}
