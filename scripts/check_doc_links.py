@@ -34,7 +34,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PENDING = {
     "docs/results.md": "the learning experiments (written by another change)",
     "results/smollm2-within/": "exported by jobs/configs/sweep-smollm2-within.yaml as its cells finish",
-    "results/smollm2-powered-cross/": "exported by jobs/configs/sweep-smollm2-powered-cross.yaml (not run yet)",
 }
 # Files of other projects, named where the text says whose they are.
 EXTERNAL = {"llm_config.py", "goal.py", "setup.sh", "auth_token", "served_adapters.json"}
