@@ -21,7 +21,8 @@ live inside the run's own endpoint and adapter prefix.
 exception: an app that this run folder records (``.serve-apps.json``) as deployed on this cluster by a
 job on this host that is no longer alive, i.e. the leftover of a killed attempt of the same run, which a
 resubmission replaces. Anything else is refused, naming the app (:func:`claim_apps`). A job deletes only
-the apps it deployed (``run.services.Services.stop``).
+the apps it deployed (``run.services.Services.stop``). Before the check, a job leases each name
+cluster-wide (``run.serve_apps.lease_apps``), so two jobs started at one instant cannot both pass it.
 """
 
 from __future__ import annotations

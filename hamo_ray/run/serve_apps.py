@@ -1,20 +1,43 @@
 """The Serve applications of the cluster a run is connected to: starting Serve, deleting a job's own
 apps (and Serve, when this process started it and nothing else runs there), and a sweep's shared policy
 endpoints (one per backbone, named after the sweep: ``hamo_ray.naming.shared_serve_names``).
+
+**Leases.** Checking that no app of a name runs and then deploying it is not atomic: two jobs started
+at one instant with the same app name could both pass the check. So before the check a job takes a
+cluster-wide lease on each name it will deploy: a named actor (:data:`LEASE_NAMESPACE`,
+``app:<name>``) that it owns. Ray's GCS registers a named actor synchronously and refuses a second
+of the same name, so exactly one job holds a name; the actor dies with its owner (a killed driver
+frees its names within seconds) and is killed when the job deletes the app (:func:`delete_apps`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from hamo_ray.config import HamoConfig
-from hamo_ray.naming import APPS_FILE, claim_apps, release_apps, shared_serve_names, sweep_name
+from hamo_ray.naming import (
+    APPS_FILE,
+    AppExistsError,
+    claim_apps,
+    release_apps,
+    shared_serve_names,
+    sweep_name,
+)
 
 logger = logging.getLogger(__name__)
 
+LEASE_NAMESPACE = "hamo-serve-apps"  # the named actors that hold a Serve app's name for its job
+LEASE_WAIT_S = 30.0  # how long a lease held by a dead job (its actor not yet reaped) is waited for
+
 _serve_started_here = False  # this process started Serve on its cluster (so it may stop it when idle)
 _shared_created: set[str] = set()  # the shared endpoints' apps this process deployed
+_leases: dict[tuple[str, str], object] = {}  # (cluster, app) -> the lease actor's handle
+_lease_class = None
 
 
 def cluster_id() -> str:
@@ -50,6 +73,120 @@ def start_serve(scfg) -> None:
     )
 
 
+def _lease_actor():
+    """The lease actor's class (defined once Ray is imported): it only answers who holds it."""
+    global _lease_class
+    if _lease_class is None:
+        import ray
+
+        @ray.remote(num_cpus=0, max_restarts=0)
+        class AppLease:
+            """Runs on its job's node, so it can tell whether its job's driver still lives: Ray reaps a
+            dead owner's actors a moment after the owner dies, and until then the actor still answers."""
+
+            def __init__(self, holder: dict):
+                self._holder = holder
+
+            def holder(self) -> dict:
+                from hamo_ray.naming import pid_alive
+
+                return {**self._holder, "alive": pid_alive(int(self._holder["pid"]))}
+
+        _lease_class = AppLease
+    return _lease_class
+
+
+def lease_holder(name: str, timeout_s: float = 10.0) -> dict | None:
+    """Who holds the lease on app ``name`` on the connected cluster (``{cluster, host, pid, record,
+    since}``); None when nobody does, or its holder is dead or dying."""
+    import ray
+
+    try:
+        actor = ray.get_actor(f"app:{name}", namespace=LEASE_NAMESPACE)
+        holder = ray.get(actor.holder.remote(), timeout=timeout_s)
+    except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None
+    return holder if holder.pop("alive", True) else None
+
+
+def _is_mine(holder: dict, cluster: str) -> bool:
+    return (holder.get("cluster"), holder.get("host"), holder.get("pid")) == (
+        cluster, socket.gethostname(), os.getpid(),
+    )  # fmt: skip
+
+
+def lease_apps(names: Iterable[str], record_file: Path, wait_s: float = LEASE_WAIT_S) -> list[str]:
+    """Take this job's cluster-wide lease on each of ``names`` (see the module's docstring); a name this
+    process holds already is kept. On a refusal the leases this call took are given back.
+
+    Returns:
+        The names newly leased by this call.
+
+    Raises:
+        AppExistsError: another live job holds one of the names (naming it, its host, pid and run
+            folder), or a dead job's lease was not freed within ``wait_s``.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    cluster, taken = cluster_id(), []
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    me = {"cluster": cluster, "host": socket.gethostname(), "pid": os.getpid(), "record": str(record_file)}
+    try:
+        for name in names:
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    handle = (
+                        _lease_actor()
+                        .options(name=f"app:{name}", namespace=LEASE_NAMESPACE, scheduling_strategy=here)
+                        .remote({**me, "since": time.time()})
+                    )
+                except ValueError:  # the name is taken on the cluster
+                    holder = lease_holder(name)
+                    if holder is not None and _is_mine(holder, cluster):
+                        break
+                    if holder is not None:
+                        raise AppExistsError(
+                            f"serve.app_name: another job is deploying or runs the Serve application {name!r} "
+                            f"on this Ray cluster (pid {holder.get('pid')} on {holder.get('host')}, run folder "
+                            f"{Path(str(holder.get('record'))).parent}); this job never replaces an app it did "
+                            "not create. Give this run another run.id, or serve.app_name and "
+                            "serve.route_prefix of its own"
+                        ) from None
+                    if time.monotonic() > deadline:
+                        raise AppExistsError(
+                            f"serve.app_name: the lease on the Serve application {name!r} "
+                            f"(actor app:{name} in namespace {LEASE_NAMESPACE}) is held by a job that does "
+                            f"not answer; it was not freed within {wait_s:.0f} s"
+                        ) from None
+                    time.sleep(0.5)  # its holder is dead or dying: Ray frees the name shortly
+                    continue
+                _leases[(cluster, name)] = handle
+                taken.append(name)
+                break
+    except BaseException:
+        unlease_apps(taken)
+        raise
+    return taken
+
+
+def unlease_apps(names: Iterable[str]) -> None:
+    """Give back this process's leases on ``names`` (a name it does not hold is skipped)."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    cluster = cluster_id()
+    for name in names:
+        handle = _leases.pop((cluster, name), None)
+        if handle is not None:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # already gone
+                logger.debug("lease on %r already gone", name, exc_info=True)
+
+
 def delete_apps(names: list[str], record_file: Path) -> None:
     from ray import serve
 
@@ -57,6 +194,7 @@ def delete_apps(names: list[str], record_file: Path) -> None:
         for name in names:
             serve.delete(name)
         release_apps(names, record_file)
+        unlease_apps(names)
         if _serve_started_here and names and not serve.status().applications:
             serve.shutdown()
     except Exception:  # Serve already gone (the driver's Ray went down first)
@@ -111,7 +249,12 @@ def start_shared_policy(cfg: HamoConfig, model_path: str, index: int) -> str:
     from hamo_ray.serving import start_policy_server
 
     scfg = shared_serve_cfg(cfg, index)
-    claim_apps([scfg.app_name], _sweep_record(cfg), cluster_id(), serve.status().applications)
+    lease_apps([scfg.app_name], _sweep_record(cfg))
+    try:
+        claim_apps([scfg.app_name], _sweep_record(cfg), cluster_id(), serve.status().applications)
+    except AppExistsError:
+        unlease_apps([scfg.app_name])
+        raise
     _shared_created.add(scfg.app_name)
     start_serve(scfg)
     return start_policy_server(
