@@ -171,6 +171,21 @@ def lease_apps(names: Iterable[str], record_file: Path, wait_s: float = LEASE_WA
     return taken
 
 
+def lease_and_claim(names: list[str], record_file: Path, running: Iterable[str]) -> None:
+    """Lease ``names`` (:func:`lease_apps`), then check them against the apps ``running`` and record them
+    (``naming.claim_apps``); a refused check gives back the leases this call took.
+
+    Raises:
+        AppExistsError: another job holds a name, or an app of a name runs that this job may not replace.
+    """
+    taken = lease_apps(names, record_file)
+    try:
+        claim_apps(names, record_file, cluster_id(), running)
+    except AppExistsError:
+        unlease_apps(taken)
+        raise
+
+
 def unlease_apps(names: Iterable[str]) -> None:
     """Give back this process's leases on ``names`` (a name it does not hold is skipped)."""
     import ray
@@ -249,12 +264,7 @@ def start_shared_policy(cfg: HamoConfig, model_path: str, index: int) -> str:
     from hamo_ray.serving import start_policy_server
 
     scfg = shared_serve_cfg(cfg, index)
-    lease_apps([scfg.app_name], _sweep_record(cfg))
-    try:
-        claim_apps([scfg.app_name], _sweep_record(cfg), cluster_id(), serve.status().applications)
-    except AppExistsError:
-        unlease_apps([scfg.app_name])
-        raise
+    lease_and_claim([scfg.app_name], _sweep_record(cfg), serve.status().applications)
     _shared_created.add(scfg.app_name)
     start_serve(scfg)
     return start_policy_server(

@@ -38,7 +38,6 @@ from hamo_ray.config import ConfigError, HamoConfig
 from hamo_ray.naming import (
     APPS_FILE,
     cell_harness_names,
-    claim_apps,
     memory_table,
     merged_names,
     serve_names,
@@ -47,14 +46,7 @@ from hamo_ray.naming import (
 )
 from hamo_ray.rollout.client import PolicySpec
 from hamo_ray.run.folder import RunFolder
-from hamo_ray.run.serve_apps import (
-    cluster_id,
-    delete_apps,
-    delete_leftovers,
-    lease_apps,
-    start_serve,
-    unlease_apps,
-)
+from hamo_ray.run.serve_apps import delete_apps, delete_leftovers, lease_and_claim, start_serve
 from hamo_ray.serving.adapters import DIGEST_CHARS
 
 logger = logging.getLogger(__name__)
@@ -210,13 +202,8 @@ class Services:
         wanted = [n for n in (harness_app if self.harness else None, policy_app) if n]
         # Refused before anything is deployed: an app of one of these names that this job did not create
         # (the lease first: no other job can pass the check for these names until this one deletes them).
-        lease_apps(wanted, self.folder.path / APPS_FILE)
         running = serve.status().applications
-        try:
-            claim_apps(wanted, self.folder.path / APPS_FILE, cluster_id(), running)
-        except ConfigError:
-            unlease_apps(wanted)
-            raise
+        lease_and_claim(wanted, self.folder.path / APPS_FILE, running)
         self._created = wanted
         delete_leftovers(self.folder.path / APPS_FILE, set(wanted), running)
         if self.owns_endpoint:  # before any app: the HTTP proxy takes serve.host:port
@@ -321,12 +308,7 @@ class Services:
                 from ray import serve
 
                 app, route = merged_names(*self.app_names())
-                lease_apps([app], self.folder.path / APPS_FILE)
-                try:
-                    claim_apps([app], self.folder.path / APPS_FILE, cluster_id(), serve.status().applications)
-                except ConfigError:
-                    unlease_apps([app])
-                    raise
+                lease_and_claim([app], self.folder.path / APPS_FILE, serve.status().applications)
                 self._created.append(app)
                 mcfg = scfg.model_copy(update={"app_name": app, "route_prefix": route})
                 self._merged = MergedApp(
