@@ -171,19 +171,27 @@ def lease_apps(names: Iterable[str], record_file: Path, wait_s: float = LEASE_WA
     return taken
 
 
-def lease_and_claim(names: list[str], record_file: Path, running: Iterable[str]) -> None:
-    """Lease ``names`` (:func:`lease_apps`), then check them against the apps ``running`` and record them
-    (``naming.claim_apps``); a refused check gives back the leases this call took.
+def lease_and_claim(names: list[str], record_file: Path) -> dict:
+    """Lease ``names`` (:func:`lease_apps`), then check them against the apps running on the cluster,
+    read after the lease (an app a dead holder left is seen), and record them (``naming.claim_apps``);
+    a refused check gives back the leases this call took.
+
+    Returns:
+        The running applications (Serve's status) the check saw.
 
     Raises:
         AppExistsError: another job holds a name, or an app of a name runs that this job may not replace.
     """
+    from ray import serve
+
     taken = lease_apps(names, record_file)
     try:
+        running = serve.status().applications
         claim_apps(names, record_file, cluster_id(), running)
     except AppExistsError:
         unlease_apps(taken)
         raise
+    return running
 
 
 def unlease_apps(names: Iterable[str]) -> None:
@@ -259,12 +267,11 @@ def start_shared_policy(cfg: HamoConfig, model_path: str, index: int) -> str:
     Returns:
         The endpoint's base URL.
     """
-    from ray import serve
 
     from hamo_ray.serving import start_policy_server
 
     scfg = shared_serve_cfg(cfg, index)
-    lease_and_claim([scfg.app_name], _sweep_record(cfg), serve.status().applications)
+    lease_and_claim([scfg.app_name], _sweep_record(cfg))
     _shared_created.add(scfg.app_name)
     start_serve(scfg)
     return start_policy_server(

@@ -202,8 +202,7 @@ class Services:
         wanted = [n for n in (harness_app if self.harness else None, policy_app) if n]
         # Refused before anything is deployed: an app of one of these names that this job did not create
         # (the lease first: no other job can pass the check for these names until this one deletes them).
-        running = serve.status().applications
-        lease_and_claim(wanted, self.folder.path / APPS_FILE, running)
+        running = lease_and_claim(wanted, self.folder.path / APPS_FILE)
         self._created = wanted
         delete_leftovers(self.folder.path / APPS_FILE, set(wanted), running)
         if self.owns_endpoint:  # before any app: the HTTP proxy takes serve.host:port
@@ -305,10 +304,8 @@ class Services:
             return self.endpoint
         try:
             if self._merged is None:
-                from ray import serve
-
                 app, route = merged_names(*self.app_names())
-                lease_and_claim([app], self.folder.path / APPS_FILE, serve.status().applications)
+                lease_and_claim([app], self.folder.path / APPS_FILE)
                 self._created.append(app)
                 mcfg = scfg.model_copy(update={"app_name": app, "route_prefix": route})
                 self._merged = MergedApp(
